@@ -1,0 +1,31 @@
+"""jaxddp: data-parallel training of JAX models over MPI, without the deadlocks.
+
+Importing jaxddp checks the launcher against the MPI library (before MPI starts) and does
+not initialize MPI; the first call that needs the world does.
+"""
+
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+from . import _comm, _launcher
+from ._comm import allreduce as allreduce
+from ._comm import local_rank as local_rank
+from ._comm import rank as rank
+from ._comm import world_size as world_size
+from ._launcher import LauncherMismatchError as LauncherMismatchError
+
+try:
+    __version__ = _version("jaxddp")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0+unknown"
+
+_launcher.guard(_comm.mpi())
+
+__all__ = [
+    "LauncherMismatchError",
+    "__version__",
+    "allreduce",
+    "local_rank",
+    "rank",
+    "world_size",
+]

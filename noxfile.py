@@ -1,0 +1,111 @@
+"""Developer sessions. `pip install nox && nox -s tests` is all a bare machine needs.
+
+The hard part is mpi4jax, which ships only an sdist: it is built against the MPI of the
+session's own venv (the `mpich` wheel's `mpicc`), with or without CUDA, without a person
+setting anything.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2024.3.2"
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["tests"]
+nox.options.error_on_external_run = True
+
+ROOT = Path(__file__).parent
+
+
+def _has_cuda_headers(root: Path) -> bool:
+    return (root / "include" / "cuda_runtime.h").is_file()
+
+
+def _nvcc_candidates(nvcc: str) -> list[Path]:
+    """Toolkit roots suggested by an `nvcc` on PATH: itself resolved, and, when it is a
+    wrapper script, every `.../bin/nvcc` path written inside it."""
+    found = [Path(nvcc).resolve().parent.parent]
+    try:
+        text = Path(nvcc).read_text(errors="ignore")[:4096]
+    except OSError:
+        return found
+    for match in re.findall(r"(/[\w./+-]+)/bin/nvcc\b", text):
+        found.append(Path(match))
+    return found
+
+
+def cuda_build_env() -> dict[str, str]:
+    """Environment for building mpi4jax's optional CUDA extension.
+
+    * `CUDA_ROOT` already set: used as it is.
+    * An `nvcc` on PATH whose toolkit (headers included) can be found: `CUDA_ROOT` points
+      there, so a wrapper script named nvcc no longer misleads mpi4jax's setup.
+    * An `nvcc` with no toolkit to be found: it is hidden from PATH for the build, which then
+      skips the CUDA extension instead of failing on `cuda_runtime.h`.
+    * No `nvcc`: nothing to do; the CPU build is the only one.
+    """
+    if os.environ.get("CUDA_ROOT"):
+        return {}
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return {}
+    candidates = [
+        *(Path(os.environ[v]) for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)),
+        *_nvcc_candidates(nvcc),
+        Path("/usr/local/cuda"),
+        *sorted(Path("/usr/local").glob("cuda-*"), reverse=True),
+    ]
+    for root in candidates:
+        if _has_cuda_headers(root):
+            return {"CUDA_ROOT": str(root)}
+    path = os.environ.get("PATH", "").split(os.pathsep)
+    hidden = {str(Path(nvcc).parent)}
+    return {"PATH": os.pathsep.join(p for p in path if p not in hidden)}
+
+
+def install_stack(session: nox.Session, *extras: str) -> None:
+    """mpich wheel + mpi4py + mpi4jax (built against that mpich) + this project."""
+    session.install("-U", "pip")
+    session.install("mpich", "mpi4py")
+    bindir = Path(session.bin)
+    env = {"MPI4JAX_BUILD_MPICC": str(bindir / "mpicc"), **cuda_build_env()}
+    if "PATH" in env:
+        env["PATH"] = os.pathsep.join([str(bindir), env["PATH"]])
+    session.install("mpi4jax", env=env)
+    spec = f".[{','.join(('mpich', *extras))}]"
+    session.install("-e", spec)
+
+
+def mpiexec(session: nox.Session) -> str:
+    return str(Path(session.bin) / "mpiexec")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Single-process suite and doctests, then the MPI suite at 2 and 4 ranks."""
+    install_stack(session, "test", "examples")
+    args = session.posargs
+    session.run("pytest", "tests", "--ignore=tests/mpi", "--doctest-modules", "jaxddp", *args)
+    session.run("pytest", "tests/mpi", "-v", *args)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The project's main job across 2 ranks on the embedded MPICH."""
+    install_stack(session, "examples")
+    session.run(mpiexec(session), "-n", "2", "python", "-m", "jaxddp.examples.allreduce_demo")
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff (check and format) and pyright."""
+    install_stack(session, "test", "examples")
+    session.install("ruff", "pyright")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("pyright")

@@ -1,0 +1,177 @@
+"""Launches real MPI jobs for the tests, with a watchdog that turns a hang into a failure.
+
+Every rank runs under ``rank.py`` (see there), which keeps a log per rank and lets the
+watchdog ask each rank for its Python stacks before the job is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RANK_WRAPPER = Path(__file__).with_name("rank.py")
+DEFAULT_TIMEOUT = 120.0
+TIMEOUT_VARIABLE = "JAXDDP_TEST_TIMEOUT"
+# Set in every rank of a launch, so the test plugin knows it is inside one.
+RANK_RUN_VARIABLE = "JAXDDP_TEST_RANK_RUN"
+
+
+def default_timeout() -> float:
+    return float(os.environ.get(TIMEOUT_VARIABLE, DEFAULT_TIMEOUT))
+
+
+def default_mpiexec() -> str:
+    """The mpiexec beside the Python in use (the mpich wheel's in a nox venv)."""
+    here = Path(sys.executable).parent / "mpiexec"
+    return str(here) if here.exists() else "mpiexec"
+
+
+@dataclass
+class LaunchResult:
+    """What a launch left behind: exit status, the launcher's output and every rank's log."""
+
+    command: list[str]
+    np: int
+    returncode: int | None
+    timed_out: bool
+    elapsed: float
+    output: str
+    rank_logs: dict[str, str] = field(default_factory=dict)
+    rank_exits: dict[str, int] = field(default_factory=dict)
+    directory: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not self.timed_out and self.returncode == 0
+
+    def failed_ranks(self) -> list[str]:
+        return sorted(r for r, code in self.rank_exits.items() if code != 0)
+
+    def report(self) -> str:
+        if self.timed_out:
+            head = (
+                f"deadlock suspected: {self.np} ranks still running after {self.elapsed:.1f} s; "
+                "each rank's Python stack was dumped before the job was killed"
+            )
+        elif self.returncode == 0:
+            head = f"{self.np} ranks exited 0 in {self.elapsed:.1f} s"
+        else:
+            exits = ", ".join(f"rank {r}: {c}" for r, c in sorted(self.rank_exits.items()))
+            head = (
+                f"the launch exited {self.returncode} after {self.elapsed:.1f} s"
+                f" ({exits or 'no rank recorded an exit status'})"
+            )
+        parts = [head, "command: " + " ".join(self.command)]
+        for r, text in sorted(self.rank_logs.items()):
+            parts.append(f"----- rank {r} -----\n{text.rstrip()}")
+        if self.output.strip():
+            parts.append(f"----- launcher -----\n{self.output.rstrip()}")
+        return "\n".join(parts)
+
+
+def _read_rank_files(directory: Path, suffix: str) -> dict[str, str]:
+    return {
+        p.name[len("rank-") : -len(suffix)]: p.read_text(errors="replace")
+        for p in sorted(directory.glob(f"rank-*{suffix}"))
+    }
+
+
+def _ask_for_stacks_and_kill(proc: subprocess.Popen[str], directory: Path) -> None:
+    pids = [int(p) for p in _read_rank_files(directory, ".pid").values() if p.strip()]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGUSR1)
+    # Give faulthandler a moment; it writes from the signal handler itself.
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        logs = _read_rank_files(directory, ".log").values()
+        if len(logs) >= len(pids) and all("most recent call first" in t for t in logs):
+            break
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def launch(
+    argv: list[str],
+    np: int,
+    *,
+    timeout: float | None = None,
+    mpiexec: str | None = None,
+    launcher_args: tuple[str, ...] = (),
+    python: str | None = None,
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    directory: str | Path | None = None,
+) -> LaunchResult:
+    """Runs ``python ARGV`` on ``np`` ranks and waits at most ``timeout`` seconds.
+
+    ``{rank}`` in ARGV becomes the rank's number. ``directory`` keeps the rank files (a
+    temporary folder by default). Never raises on a failed or hung job: the result says what
+    happened, and ``report()`` shows it with every rank's output.
+    """
+    timeout = default_timeout() if timeout is None else timeout
+    mpiexec = mpiexec or default_mpiexec()
+    python = python or sys.executable
+    owned = directory is None
+    outdir = Path(tempfile.mkdtemp(prefix="jaxddp-launch-") if owned else str(directory))
+    outdir.mkdir(parents=True, exist_ok=True)
+    command = [
+        mpiexec,
+        *launcher_args,
+        "-n",
+        str(np),
+        python,
+        str(RANK_WRAPPER),
+        str(outdir),
+        "--",
+        *argv,
+    ]
+    full_env = dict(os.environ if env is None else env)
+    full_env[RANK_RUN_VARIABLE] = "1"
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=full_env,
+        cwd=cwd,
+        start_new_session=True,
+    )
+    timed_out = False
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _ask_for_stacks_and_kill(proc, outdir)
+        output, _ = proc.communicate()
+    elapsed = time.monotonic() - start
+    exits = {r: int(code) for r, code in _read_rank_files(outdir, ".exit").items() if code.strip()}
+    logs = _read_rank_files(outdir, ".log")
+    if owned:
+        shutil.rmtree(outdir, ignore_errors=True)
+    return LaunchResult(
+        command=command,
+        np=np,
+        returncode=None if timed_out else proc.returncode,
+        timed_out=timed_out,
+        elapsed=elapsed,
+        output=output or "",
+        rank_logs=logs,
+        rank_exits=exits,
+        directory=None if owned else outdir,
+    )
