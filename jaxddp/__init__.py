@@ -13,6 +13,8 @@ from ._comm import local_rank as local_rank
 from ._comm import rank as rank
 from ._comm import world_size as world_size
 from ._launcher import LauncherMismatchError as LauncherMismatchError
+from ._metrics import masked_mean as masked_mean
+from ._sampler import DistributedSampler as DistributedSampler
 
 try:
     __version__ = _version("jaxddp")
@@ -22,10 +24,12 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 _launcher.guard(_comm.mpi())
 
 __all__ = [
+    "DistributedSampler",
     "LauncherMismatchError",
     "__version__",
     "allreduce",
     "local_rank",
+    "masked_mean",
     "rank",
     "world_size",
 ]

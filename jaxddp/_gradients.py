@@ -1,0 +1,150 @@
+"""Gradients that every rank can reduce: unused parameters filled in, then one allreduce.
+
+A rank that did not run a branch of the model has no gradient for that branch's
+parameters. If it then reduces a smaller tree than the other ranks, they call different MPI
+operations and hang. :func:`allreduce_gradients` fills each missing leaf with
+``zeros_like(param)`` first, inside the optax chain, so nobody has to do it by hand.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from . import _comm
+from ._consistency import check_same_tree
+
+__all__ = ["allreduce_gradients", "resolve_unused_parameters"]
+
+CHECK_VARIABLE = "JAXDDP_CHECK"
+
+
+def _is_missing(leaf: Any) -> bool:
+    return leaf is None or getattr(leaf, "dtype", None) == jax.dtypes.float0
+
+
+def resolve_unused_parameters(grads: Any, params: Any) -> Any:
+    """Returns ``grads`` with exactly the structure of ``params``; missing gradients are zeros.
+
+    A gradient is missing where ``grads`` holds ``None`` (for a leaf or a whole subtree),
+    lacks a key that ``params`` has, or holds a ``float0`` leaf (the cotangent of an
+    integer parameter). There the result is ``zeros_like(param)``, with the parameter's
+    shape and dtype. Present gradients pass through unchanged. Works under ``jax.jit`` on
+    nested dicts, lists, tuples, NamedTuples and ``flax.nnx.State``.
+
+    Raises:
+      ValueError: a present gradient's shape differs from its parameter's, or ``grads`` has
+        a leaf where ``params`` has none; the message names the tree path.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> params = {"used": jnp.ones(2), "unused": {"w": jnp.ones((2, 3))}}
+      >>> grads = {"used": jnp.array([0.5, 1.0]), "unused": None}
+      >>> out = resolve_unused_parameters(grads, params)
+      >>> out["unused"]["w"].shape, float(out["unused"]["w"].sum())
+      ((2, 3), 0.0)
+    """
+    flat, _ = jax.tree_util.tree_flatten_with_path(grads, is_leaf=lambda x: x is None)
+    present = {tuple(path): leaf for path, leaf in flat if leaf is not None}
+    used: set[tuple[Any, ...]] = set()
+
+    def fill(path: tuple[Any, ...], param: Any) -> Any:
+        path = tuple(path)
+        grad = present.get(path)
+        if grad is not None:
+            used.add(path)
+        if grad is None or _is_missing(grad):
+            return jnp.zeros_like(param)
+        if jnp.shape(grad) != jnp.shape(param):
+            msg = (
+                f"The gradient at `{jax.tree_util.keystr(path)}` has shape {jnp.shape(grad)} "
+                f"but its parameter has shape {jnp.shape(param)}; a gradient must have its "
+                "parameter's shape."
+            )
+            raise ValueError(msg)
+        return grad
+
+    out = jax.tree_util.tree_map_with_path(fill, params)
+    extra = [p for p in present if p not in used]
+    if extra:
+        msg = (
+            f"The gradients have a leaf at `{jax.tree_util.keystr(extra[0])}` but the "
+            f"parameters have none there ({len(extra)} such leaves). Pass the parameters the "
+            "gradients were taken with."
+        )
+        raise ValueError(msg)
+    return out
+
+
+def _has_missing(tree: Any) -> bool:
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
+    return any(_is_missing(leaf) for leaf in leaves)
+
+
+def allreduce_gradients(
+    *,
+    op: str = "mean",
+    comm: Any = None,
+    check: bool | None = None,
+) -> optax.GradientTransformation:
+    """An optax transform that fills in unused parameters, then allreduces the gradients.
+
+    Put it first in the chain: ``optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))``.
+    ``update(updates, state, params)`` gives missing gradients (``None``, absent keys,
+    ``float0``) the value ``zeros_like(param)``, then reduces every leaf across the ranks,
+    small leaves packed together into few MPI calls. Works inside ``jax.jit`` and inside
+    ``optax.MultiSteps`` (which then communicates only on the steps that apply an update).
+
+    Args:
+      op: ``"mean"`` (the sum divided by the world size, the data-parallel gradient) or
+        ``"sum"``; ``"max"`` and ``"min"`` are accepted too.
+      comm: an mpi4py communicator to reduce over; by default jaxddp's private clone of
+        ``COMM_WORLD``. Do not use the same communicator for mpi4py calls.
+      check: compare the ranks' gradient trees (paths, shapes, dtypes) before reducing and
+        raise :class:`jaxddp.TreeMismatchError` on every rank if they differ, instead of
+        hanging. The check runs when the update is traced, so a jitted step pays for it
+        once. Defaults to the environment variable ``JAXDDP_CHECK=1``.
+
+    Returns:
+      An ``optax.GradientTransformation`` with an empty state.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxddp
+      >>> params = {"w": jnp.ones(3), "frozen": jnp.ones(2)}
+      >>> tx = optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.1))
+      >>> state = tx.init(params)
+      >>> grads = {"w": jnp.ones(3), "frozen": None}
+      >>> updates, state = jax.jit(tx.update)(grads, state, params)
+      >>> bool((updates["frozen"] == 0).all())  # no gradient: no update, and no hang
+      True
+    """
+    _comm.check_op(op)
+    if check is None:
+        check = os.environ.get(CHECK_VARIABLE, "0") == "1"
+    elif not isinstance(check, bool):
+        msg = f"Expected `check` to be True, False or None, got {check!r} instead."
+        raise TypeError(msg)
+
+    def init_fn(params: Any) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is not None:
+            updates = resolve_unused_parameters(updates, params)
+        elif _has_missing(updates):
+            msg = (
+                "Some gradients are missing (None or float0 leaves) and `params` was not "
+                "passed, so jaxddp cannot fill them with zeros of the right shape. Call "
+                "`tx.update(grads, opt_state, params)` with the parameters."
+            )
+            raise ValueError(msg)
+        if check:
+            check_same_tree(updates, what="gradient tree")
+        return _comm.allreduce(updates, op, comm=comm), state
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,37 @@
+"""Deadlocks turned into errors, on real launches: the fail-fast abort and the tree check."""
+
+import os
+from pathlib import Path
+
+from tests.harness import launch
+
+SCRIPTS = Path(__file__).with_name("scripts")
+
+
+def test_a_rank_that_raises_ends_the_whole_job():
+    result = launch([str(SCRIPTS / "raise_mid_training.py")], 2, timeout=60)
+    assert not result.timed_out, result.report()
+    assert result.returncode != 0
+    assert result.elapsed < 30, result.report()
+    log = result.rank_logs["1"]
+    assert "Traceback" in log
+    assert "RuntimeError: boom at step 3" in log
+    assert "aborting every rank" in log
+
+
+def test_without_the_abort_the_same_job_hangs():
+    env = dict(os.environ, JAXDDP_ABORT_ON_ERROR="0")
+    result = launch([str(SCRIPTS / "raise_mid_training.py")], 2, timeout=12, env=env)
+    assert result.timed_out, result.report()
+    assert "deadlock suspected" in result.report()
+    assert "boom at step 3" in result.rank_logs["1"]
+
+
+def test_a_rank_missing_from_the_check_is_an_error_not_a_hang():
+    env = dict(os.environ, JAXDDP_CHECK_TIMEOUT="3")
+    result = launch([str(SCRIPTS / "check_timeout.py")], 2, timeout=60, env=env)
+    assert not result.timed_out, result.report()
+    assert result.returncode != 0
+    assert result.elapsed < 30, result.report()
+    assert "TreeMismatchError" in result.rank_logs["0"]
+    assert "not every rank arrived" in result.rank_logs["0"]
