@@ -9,9 +9,15 @@ from importlib.metadata import version as _version
 
 from . import _comm, _launcher
 from ._comm import allreduce as allreduce
+from ._comm import broadcast as broadcast
 from ._comm import local_rank as local_rank
 from ._comm import rank as rank
+from ._comm import reduce as reduce
 from ._comm import world_size as world_size
+from ._consistency import TreeMismatchError as TreeMismatchError
+from ._consistency import synchronize as synchronize
+from ._gradients import allreduce_gradients as allreduce_gradients
+from ._gradients import resolve_unused_parameters as resolve_unused_parameters
 from ._launcher import LauncherMismatchError as LauncherMismatchError
 from ._metrics import masked_mean as masked_mean
 from ._sampler import DistributedSampler as DistributedSampler
@@ -26,10 +32,16 @@ _launcher.guard(_comm.mpi())
 __all__ = [
     "DistributedSampler",
     "LauncherMismatchError",
+    "TreeMismatchError",
     "__version__",
     "allreduce",
+    "allreduce_gradients",
+    "broadcast",
     "local_rank",
     "masked_mean",
     "rank",
+    "reduce",
+    "resolve_unused_parameters",
+    "synchronize",
     "world_size",
 ]
