@@ -101,6 +101,25 @@ def demo(session: nox.Session) -> None:
     session.run(mpiexec(session), "-n", "2", "python", "-m", "jaxddp.examples.allreduce_demo")
 
 
+# mkdocstrings formats the signatures with ruff when it is installed.
+DOCS_REQUIREMENTS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.27", "ruff")
+
+
+@nox.session(default=False)
+def docs(session: nox.Session) -> None:
+    """The documentation site, built in strict mode: a broken page or docstring fails.
+
+    mkdocstrings reads jaxddp's sources statically (griffe, `paths` in mkdocs.yml), so
+    neither the project nor its MPI stack is installed here. `nox -s docs -- serve` previews.
+    """
+    session.install(*DOCS_REQUIREMENTS)
+    env = {"NO_MKDOCS_2_WARNING": "1"}
+    if session.posargs and session.posargs[0] == "serve":
+        session.run("mkdocs", "serve", *session.posargs[1:], env=env)
+    else:
+        session.run("mkdocs", "build", "--strict", *session.posargs, env=env)
+
+
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (check and format) and pyright."""
