@@ -19,6 +19,9 @@ from ._consistency import synchronize as synchronize
 from ._gradients import allreduce_gradients as allreduce_gradients
 from ._gradients import resolve_unused_parameters as resolve_unused_parameters
 from ._launcher import LauncherMismatchError as LauncherMismatchError
+from ._launcher import LauncherReport as LauncherReport
+from ._launcher import LauncherWarning as LauncherWarning
+from ._launcher import check_launcher as check_launcher
 from ._metrics import masked_mean as masked_mean
 from ._sampler import DistributedSampler as DistributedSampler
 
@@ -32,11 +35,14 @@ _launcher.guard(_comm.mpi())
 __all__ = [
     "DistributedSampler",
     "LauncherMismatchError",
+    "LauncherReport",
+    "LauncherWarning",
     "TreeMismatchError",
     "__version__",
     "allreduce",
     "allreduce_gradients",
     "broadcast",
+    "check_launcher",
     "local_rank",
     "masked_mean",
     "rank",
