@@ -105,14 +105,17 @@ def _order_block(
     if not shuffle:
         block = np.arange(start, stop, dtype=np.int64)
         if stop > n:
-            block %= n
+            block[max(n - start, 0) :] %= n  # only the wrapped tail
         return block
     order = np.random.default_rng([seed, epoch]).permutation(n).astype(np.int64, copy=False)
     if start == 0 and stop == n:
         return order
     if stop <= n:
         return order[start:stop].copy()  # a copy, so that the permutation can be freed
-    return order[np.arange(start, stop, dtype=np.int64) % n]
+    if start >= n:  # only when N < num_replicas: a block of one entry
+        return order[np.arange(start, stop, dtype=np.int64) % n]
+    # the block's own part, then the wrapped padding (fewer than num_replicas entries)
+    return np.concatenate([order[start:], order[np.arange(stop - n, dtype=np.int64) % n]])
 
 
 def _shard(
@@ -396,7 +399,9 @@ class DistributedSampler:
                 if drop_last:
                     return
                 fill = batch_size - (end - begin)
-                batch_indices = np.concatenate([indices[begin:end], np.resize(indices, fill)])
+                # valid indices, the rank's first ones (np.resize would copy the whole shard)
+                wrap = indices[np.arange(fill) % len(indices)]
+                batch_indices = np.concatenate([indices[begin:end], wrap])
                 batch_mask = np.zeros(batch_size, dtype=np.bool_)
                 batch_mask[: end - begin] = mask[begin:end]
             else:
