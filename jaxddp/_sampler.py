@@ -14,7 +14,7 @@ arguments.
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import numpy as np
@@ -44,7 +44,7 @@ def _integer(name: str, value: Any, *, minimum: int) -> int:
         )
         raise TypeError(msg) from None
     if number < minimum:
-        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        kind = {0: "a non-negative integer", 1: "a positive integer"}[minimum]
         msg = f"Expected `{name}` to be {kind}, got {number} instead."
         raise ValueError(msg)
     return number
@@ -55,6 +55,19 @@ def _boolean(name: str, value: Any) -> bool:
         msg = f"Expected `{name}` to be True or False, got {value!r} instead."
         raise TypeError(msg)
     return bool(value)
+
+
+def _same_setting(value: Any, expected: bool | int) -> bool:
+    """Whether a state's setting equals this sampler's, whatever scalar type stored it."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):  # what numpy cannot read is simply not equal
+        return False
+    if array.ndim != 0:
+        return False
+    if isinstance(expected, bool):
+        return array.dtype == np.bool_ and bool(array) == expected
+    return array.dtype.kind in "iu" and int(array) == expected
 
 
 def _data_size(data: Any) -> int:
@@ -430,17 +443,18 @@ class DistributedSampler:
             "drop_last": self._drop_last,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores :meth:`state_dict`: the next pass continues with the next sample.
 
         Args:
-          state: what :meth:`state_dict` returned, possibly from another process.
+          state: what :meth:`state_dict` returned, possibly from another process and
+            restored by a checkpointing library (numpy scalars are fine).
 
         Raises:
           ValueError: if the state comes from a sampler with another N, ``num_replicas``,
             ``seed``, ``shuffle`` or ``drop_last``, or its position is out of range.
         """
-        if not isinstance(state, dict):
+        if not isinstance(state, Mapping):
             msg = (
                 "Expected `state` to be a dict from `DistributedSampler.state_dict()`, "
                 f"got {type(state).__name__} instead."
@@ -455,7 +469,7 @@ class DistributedSampler:
             raise ValueError(msg)
         mine = self.state_dict()
         for key in _STATE_CONFIG:
-            if state[key] != mine[key] or type(state[key]) is not type(mine[key]):
+            if not _same_setting(state[key], mine[key]):
                 msg = (
                     f"Expected a state with `{key}={mine[key]!r}` like this sampler's, got "
                     f"`{key}={state[key]!r}` instead: a position only makes sense in the "

@@ -316,6 +316,17 @@ def test_load_state_dict_rejects_a_foreign_state(change, match):
         sampler.load_state_dict({**sampler.state_dict(), **change})
 
 
+def test_load_state_dict_accepts_numpy_scalars_from_a_checkpoint():
+    sampler = DistributedSampler(10, num_replicas=2, rank=0, seed=7)
+    restored = {k: np.asarray(v) for k, v in sampler.state_dict().items()}
+    restored["position"] = np.int64(3)
+    sampler.load_state_dict(restored)
+    assert sampler.state_dict()["position"] == 3
+    assert type(sampler.state_dict()["position"]) is int
+    with pytest.raises(ValueError, match=r"`shuffle=True`.*got `shuffle=1`"):
+        sampler.load_state_dict({**sampler.state_dict(), "shuffle": 1})
+
+
 def test_load_state_dict_rejects_what_is_not_a_state():
     sampler = DistributedSampler(10, num_replicas=2, rank=0)
     with pytest.raises(TypeError, match="`state`"):
