@@ -153,14 +153,23 @@ def test_open_mpi_mpiexec_refuses_the_mpich_python_within_30_s(openmpi_mpiexec):
 # ------------------------------------------------------ MPICH's hydra launching Open MPI
 
 
-@pytest.mark.parametrize("launcher_args", [(), ("-pmi-port",)], ids=["pmi-fd", "pmi-port"])
-def test_mpich_hydra_refuses_the_open_mpi_python(
-    launcher_args, openmpi_python, openmpi_mpiexec, openmpi_name
+@pytest.mark.parametrize(
+    "mpich_launcher",
+    [
+        ("mpiexec", (), "MPICH mpiexec (hydra)"),
+        ("mpiexec", ("-pmi-port",), "MPICH mpiexec (hydra)"),
+        ("mpiexec.gforker", (), "MPICH mpiexec.gforker"),
+    ],
+    ids=["hydra", "hydra-pmi-port", "gforker"],
+)
+def test_mpich_launchers_refuse_the_open_mpi_python(
+    mpich_launcher, openmpi_python, openmpi_mpiexec, openmpi_name
 ):
     """Without jaxddp: exit 0, two processes that each say rank 0 of 1."""
+    program, launcher_args, name = mpich_launcher
     result = run(
         ["-c", REPORT_WORLD],
-        mpiexec=default_mpiexec(),
+        mpiexec=str(Path(default_mpiexec()).with_name(program)),
         launcher_args=launcher_args,
         python=openmpi_python,
         timeout=30,
@@ -168,7 +177,7 @@ def test_mpich_hydra_refuses_the_open_mpi_python(
     assert result.elapsed < 30, result.report()
     assert_refused_everywhere(
         result,
-        "launcher: MPICH mpiexec (hydra)",
+        f"launcher: {name}",
         "PMI offered: PMI-1/2",
         f"MPI library: {openmpi_name} (speaks PMIx)",
         f"`{openmpi_mpiexec} -n 2 {openmpi_python} your_script.py`",
