@@ -144,3 +144,15 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("pyright")
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """The benchmark suite: allreduce against the MPI limit and peers, a train step, the
+    sampler, import time. Writes benchmarks/results/ (JSON, PNG, markdown) and the docs page.
+
+    `nox -s bench -- --quick` runs a shorter version (2 ranks, fewer repeats).
+    """
+    install_stack(session, "examples")
+    session.install("matplotlib", "torch==2.13.0")
+    session.run("python", "benchmarks/run.py", "--docs", "docs/benchmarks", *session.posargs)

@@ -263,6 +263,10 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def _is_number_or_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex)
 
@@ -282,10 +286,9 @@ def _rooted(tree: Any, root: int, comm: Any, collective: Any, *, arithmetic: boo
         )
         for i, new in zip(picked, done, strict=True):
             old = leaves[i]
-            concrete_number = isinstance(old, int | float | complex) and not isinstance(
-                new, jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
-            )
-            leaves[i] = type(old)(new.item()) if concrete_number else new
+            if isinstance(old, int | float | complex) and _is_concrete(new):
+                new = type(old)(new.item())  # noqa: PLW2901 - a number stays a number
+            leaves[i] = new
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
