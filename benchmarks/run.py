@@ -198,10 +198,10 @@ def main() -> None:
     }
     sampler = HERE / "bench_sampler.py"
     if sampler.exists():
-        subprocess.run([sys.executable, str(sampler)], check=True, timeout=900, cwd=ROOT)
         sampler_json = out / "sampler.json"
-        if sampler_json.exists():
-            results["sampler"] = json.loads(sampler_json.read_text())
+        command = [sys.executable, str(sampler), "--out", str(sampler_json)]
+        subprocess.run(command, check=True, timeout=900, cwd=ROOT)
+        results["sampler"] = json.loads(sampler_json.read_text())
     (out / "results.json").write_text(json.dumps(results, indent=1))
     plot(rows, out / "allreduce.png")
     (out / "results.md").write_text(markdown(results))
