@@ -9,8 +9,8 @@ from the environment and the library's version string alone, before ``MPI_Init``
 :func:`check_world_size` catches, after ``MPI_Init``, the silent singletons that slipped
 through.
 
-Everything here is pure Python on strings: no MPI call, no import of mpi4py (the caller
-hands over the module or the library string).
+The decision is pure Python on strings: no MPI call is made, and mpi4py is touched only to
+read the library string when the caller does not hand it over.
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class LauncherReport:
 
     Attributes:
       launcher: the launcher that started this process, e.g. ``"MPICH mpiexec (hydra)"``,
-        ``"Open MPI mpiexec (PRRTE)"``, ``"srun --mpi=pmi2"``; ``"none"`` without one.
+        ``"Open MPI mpiexec (PRRTE, Open MPI 5 or later)"``, ``"srun --mpi=pmi2"``; ``"none"`` without one.
       pmi: the process-management interface the launcher offers: ``"PMI-1/2"``,
         ``"PMIx"``, ``"PMI-1/2 and PMIx"`` or ``"none"``.
       library: the MPI library's vendor (``"MPICH"``, ``"Open MPI"``, ``"Intel MPI"``,
@@ -254,8 +254,7 @@ def _parse_library(text: str) -> _Library:
 @dataclasses.dataclass(frozen=True)
 class _Launch:
     name: str
-    kind: str  # "openmpi", "hydra", "intel", "gforker", "srun", "pmix", "pmi", "pals",
-    # "mvapich", "none"
+    kind: str  # a key of _KINDS, or "none"
     pmi12: bool
     pmix: bool
     world_size: int | None
@@ -420,18 +419,7 @@ def _judge_mpich(launch: _Launch, lib: _Library, env: Mapping[str, str]) -> tupl
     if launch.pmi12:
         return "ok", f"{launch.name} offers {_PMI12}, which {lib.name} speaks."
     if launch.pmix:
-        if lib.pmix:
-            return "ok", f"{launch.name} offers PMIx, and {lib.name} was built with PMIx."
-        if lib.vendor == "Intel MPI" and env.get("I_MPI_PMI_LIBRARY"):
-            return "ok", (
-                f"{launch.name} offers PMIx, and I_MPI_PMI_LIBRARY points {lib.name} at a "
-                f"PMI library ({env['I_MPI_PMI_LIBRARY']})."
-            )
-        return "mismatch", (
-            f"{lib.name} speaks {_PMI12} and was not built with PMIx, but {launch.name} offers "
-            'only PMIx: MPI_Init would abort ("unsupported PMI version PMIx", "PMI_Init '
-            'returned -1") or every process would start as rank 0 of 1 and train alone.'
-        )
+        return _judge_mpich_under_pmix(launch, lib, env)
     if launch.kind in ("pals", "mvapich"):
         return "ok", f"{launch.name} starts {lib.name} through its own PMI."
     many = launch.world_size is None or launch.world_size > 1
@@ -439,6 +427,35 @@ def _judge_mpich(launch: _Launch, lib: _Library, env: Mapping[str, str]) -> tupl
         f"{launch.name} set PMI_RANK/PMI_SIZE but neither PMI_FD nor PMI_PORT, so {lib.name} "
         "has no PMI server to connect to unless it was built for this launcher (Cray PMI, "
         "say); it may start as rank 0 of 1."
+    )
+
+
+def _judge_mpich_under_pmix(
+    launch: _Launch, lib: _Library, env: Mapping[str, str]
+) -> tuple[Verdict, str]:
+    """An MPICH-family library under a launcher that offers only PMIx."""
+    if lib.pmix:
+        return "ok", f"{launch.name} offers PMIx, and {lib.name} was built with PMIx."
+    if lib.vendor == "Intel MPI" and env.get("I_MPI_PMI_LIBRARY"):
+        return "ok", (
+            f"{launch.name} offers PMIx, and I_MPI_PMI_LIBRARY points {lib.name} at a "
+            f"PMI library ({env['I_MPI_PMI_LIBRARY']})."
+        )
+    if lib.vendor == "Intel MPI" and launch.kind == "srun":
+        year = lib.major
+        return ("ok" if year is not None and year >= 2021 else "doubtful"), (
+            f"{launch.name} offers PMIx; Intel MPI 2021 and later find Slurm's PMIx library "
+            f"by themselves (I_MPI_PMI_LIBRARY can name it for {lib.name})."
+        )
+    built = (
+        "does not use PMIx unless I_MPI_PMI_LIBRARY names a PMIx library"
+        if lib.vendor == "Intel MPI"
+        else "was not built with PMIx"
+    )
+    return "mismatch", (
+        f"{lib.name} speaks {_PMI12} and {built}, but {launch.name} offers "
+        'only PMIx: MPI_Init would abort ("unsupported PMI version PMIx", "PMI_Init '
+        'returned -1") or every process would start as rank 0 of 1 and train alone.'
     )
 
 
@@ -498,6 +515,16 @@ def _command_hint(mpiexec: str, size: int | None) -> str:
     return shlex.join([mpiexec, "-n", str(size or "N"), sys.executable, *program])
 
 
+def _launcher_libpmix(env: Mapping[str, str]) -> str:
+    """The PMIx client library that belongs to the launcher, or a placeholder path."""
+    for prefix in (env.get("PMIX_PREFIX"), env.get("PMIX_INSTALL_PREFIX"), env.get("OPAL_PREFIX")):
+        if prefix:
+            for name in ("lib/openmpi/libpmix.so.2", "lib/libpmix.so.2", "lib/libpmix.so"):
+                if (Path(prefix) / name).exists():
+                    return str(Path(prefix) / name)
+    return "/path/to/libpmix.so"
+
+
 def _fixes(launch: _Launch, lib: _Library, env: Mapping[str, str], skip: str) -> tuple[str, ...]:
     """What to do, most direct first; the bypass variable always comes last."""
     ways: list[str] = []
@@ -511,8 +538,13 @@ def _fixes(launch: _Launch, lib: _Library, env: Mapping[str, str], skip: str) ->
     else:
         mpiexec = _matching_mpiexec(lib)
         if mpiexec is not None:
+            which = (
+                "an MPICH (hydra) mpiexec, which speaks PMI-1/2 like"
+                if lib.family == "mpich"
+                else "the mpiexec that belongs to"
+            )
             ways.append(
-                f"Launch with the mpiexec that belongs to {lib.name}, the MPI library mpi4py "
+                f"Launch with {which} {lib.name}, the MPI library mpi4py "
                 f"loaded: `{_command_hint(mpiexec, launch.world_size)}`."
             )
         elif lib.family != "unknown":
@@ -539,7 +571,10 @@ def _fixes(launch: _Launch, lib: _Library, env: Mapping[str, str], skip: str) ->
             "--no-cache-dir mpi4py` with its mpicc on PATH), then "
             '`MPI4JAX_BUILD_MPICC="$(which mpicc)" pip install --no-cache-dir mpi4jax`.'
         )
-    if lib.family == "mpich" and launch.pmix and not launch.pmi12:
+    if lib.vendor == "Intel MPI" and launch.pmix and not launch.pmi12:
+        pmix = _launcher_libpmix(env)
+        ways.append(f"Point Intel MPI at this launcher's PMIx library: `I_MPI_PMI_LIBRARY={pmix}`.")
+    elif lib.family == "mpich" and launch.pmix and not launch.pmi12:
         ways.append(f"Use an {lib.vendor} built with PMIx support (`--with-pmix`).")
     level = "all" if skip == "all" else "1"
     return (

@@ -23,6 +23,12 @@ PREFIXES = (
     "PALS_",
 )
 
-found = {k: v for k, v in sorted(os.environ.items()) if k.startswith(PREFIXES)}
-json.dump(found, sys.stdout, sort_keys=True)
-sys.stdout.write("\n")
+
+def main() -> None:
+    found = {k: v for k, v in sorted(os.environ.items()) if k.startswith(PREFIXES)}
+    json.dump(found, sys.stdout, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
