@@ -100,11 +100,13 @@ def doctor(*, as_json: bool = False) -> int:
     code = EXIT_OK
     problems: list[str] = []
     if world.rank == 0:
+        unusable: dict[str, list[str]] = {}
         for r in rows:
             if r["mpi4jax"]["usable"] is False:
-                code = EXIT_MPI4JAX
-                problems.append(f"rank {r['mpi']['rank']}: {r['mpi4jax']['detail']}")
-        problems = sorted(set(problems))
+                unusable.setdefault(r["mpi4jax"]["detail"], []).append(str(r["mpi"]["rank"]))
+        for detail, ranks in unusable.items():
+            problems.append(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {detail}")
+        code = EXIT_MPI4JAX if unusable else EXIT_OK
     code = _comm.py_comm().bcast(code, root=0)
     return _finish(
         rows, common, problems=problems, code=code, as_json=as_json, printer=world.rank == 0
@@ -266,7 +268,7 @@ def _text(
         f"  versions:     {versions}",
         f"  python:       {common['python']}",
         f"  MPI library:  {library}",
-        f"  mpi4jax:      {first['mpi4jax']['detail']}",
+        *_launcher.wrap(f"mpi4jax:      {first['mpi4jax']['detail']}", "  ", " " * 16),
         f"  {_launcher.SKIP_VARIABLE}: {skip if skip is not None else 'not set'}",
         "",
         "launcher (rank 0):" if first["mpi"] else "launcher:",
@@ -301,7 +303,8 @@ def _text(
     if shown:
         lines += ["", "problems:"]
         for problem in shown:
-            lines += [f"  {line}" for line in problem.splitlines()]
+            for line in problem.splitlines():
+                lines += _launcher.wrap(line, "  ", "    ") if len(line) > 98 else [f"  {line}"]
     lines += ["", f"verdict: {verdict} (exit code {code})"]
     return "\n".join(lines)
 
