@@ -112,7 +112,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def markdown(results: dict) -> str:
     parts = [
-        "# Benchmark results",
+        "## Results",
         "",
         (
             f"Measured by `nox -s bench` on {results['machine']}. Medians; in brackets the ratio "
@@ -123,7 +123,7 @@ def markdown(results: dict) -> str:
     ]
     for ranks in sorted({r["ranks"] for r in results["allreduce"]}):
         parts += [
-            f"## Gradient allreduce, {ranks} ranks",
+            f"### Gradient allreduce, {ranks} ranks",
             "",
             table(results["allreduce"], ranks),
             "",
@@ -131,7 +131,7 @@ def markdown(results: dict) -> str:
     parts += ["![allreduce](allreduce.png)", ""]
     for step in results.get("step", []):
         parts += [
-            f"## Train step, {step['ranks']} ranks",
+            f"### Train step, {step['ranks']} ranks",
             "",
             (
                 f"MLP {step['sizes']}, {step['batch_per_rank']} samples per rank: "
@@ -143,10 +143,27 @@ def markdown(results: dict) -> str:
         ]
     if "sampler" in results:
         s = results["sampler"]
-        parts += ["## Sampler", "", "```", json.dumps(s, indent=1), "```", ""]
+        parts += [
+            "### Sampler",
+            "",
+            (
+                "One epoch's indices for one of 4 replicas, against "
+                "`numpy.random.default_rng(seed).permutation(N)` (target: at most "
+                f"{s['target_ratio']}x):"
+            ),
+            "",
+            "| N | numpy permutation | DistributedSampler | ratio |",
+            "|---|---|---|---|",
+            *(
+                f"| {c['n']:,} | {c['baseline_median_s']:.3f} s | {c['sampler_median_s']:.3f} s "
+                f"| {c['ratio']:.2f}x |"
+                for c in s["cases"]
+            ),
+            "",
+        ]
     imp = results["import"]
     parts += [
-        "## Import",
+        "### Import",
         "",
         (
             f"`import jaxddp` {imp['import_jaxddp_s'] * 1e3:.0f} ms against "
