@@ -4,7 +4,7 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tests.mpi_plugin import pytest_pycollect_makemodule, pytest_report_header  # noqa: E402
+from tests.mpi_plugin import pytest_pycollect_makemodule, pytest_report_header
 
 # Scripts that tests launch on real ranks, and recorded data: never collected (with
 # --doctest-modules pytest would import the scripts, and they run at import).
