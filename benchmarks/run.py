@@ -85,29 +85,35 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(12, 4.5))
+    payloads = sorted({r["payload"] for r in rows}, key=lambda p: _size(rows, p))
+    colors = {impl: f"C{i}" for i, impl in enumerate(ORDER)}
+    fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(13, 5))
     for ranks, style in ((2, "-o"), (4, "--s")):
         for impl in ORDER:
-            pts = sorted(
-                (r["bytes"], r["median_s"], r["ratio"])
-                for r in rows
-                if r["impl"] == impl and r["ranks"] == ranks
-            )
+            pts = {r["payload"]: r for r in rows if r["impl"] == impl and r["ranks"] == ranks}
             if not pts:
                 continue
-            x = [p[0] / 1e6 for p in pts]
+            xs = [i for i, p in enumerate(payloads) if p in pts]
             label = f"{LABELS[impl]} ({ranks} ranks)"
-            ax_t.plot(x, [p[1] * 1e3 for p in pts], style, label=label)
+            times = [pts[payloads[i]]["median_s"] * 1e3 for i in xs]
+            ax_t.plot(xs, times, style, color=colors[impl], label=label)
             if impl != "limit":
-                ax_r.plot(x, [p[2] for p in pts], style, label=label)
-    ax_t.set(xscale="log", yscale="log", xlabel="payload (MB)", ylabel="median time (ms)")
-    ax_r.set(xscale="log", yscale="log", xlabel="payload (MB)", ylabel="time / limit")
+                ratios = [pts[payloads[i]]["ratio"] for i in xs]
+                ax_r.plot(xs, ratios, style, color=colors[impl], label=label)
+    names = [f"{p}\n{_size(rows, p) / 1e6:.3g} MB" for p in payloads]
+    for ax in (ax_t, ax_r):
+        ax.set_xticks(range(len(payloads)), names, fontsize=8)
+        ax.set_yscale("log")
+    ax_t.set(ylabel="median time (ms)", title="Gradient allreduce")
+    ax_r.set(ylabel="time / limit", title="Ratio to mpi4py's flat Allreduce (the limit)")
     ax_r.axhline(1.0, color="grey", lw=0.8)
-    ax_t.set_title("Gradient allreduce")
-    ax_r.set_title("Ratio to mpi4py's flat Allreduce")
     ax_t.legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _size(rows: list[dict], payload: str) -> int:
+    return next(r["bytes"] for r in rows if r["payload"] == payload)
 
 
 def markdown(results: dict) -> str:
