@@ -223,3 +223,17 @@ def test_mixed_dtypes_and_many_small_leaves_are_reduced_exactly():
     np.testing.assert_array_equal(out["i32"], np.arange(5) * total)
     np.testing.assert_array_equal(out["big"], size * (size - 1) / 2)
     assert out["empty"].shape == (0, 3)
+
+
+def test_a_resnet50_shaped_tree_of_many_calls_reduces_exactly():
+    """161 leaves, 102 MB: dozens of MPI calls in one jitted function, which must run in the
+    same order on every rank (a mix-up would hang or add the wrong buffers together)."""
+    from benchmarks.payloads import resnet50_shapes
+
+    shapes = resnet50_shapes(1.0)
+    tree = {f"p{i:03d}": jnp.full(s, (i + 1.0) * (rank + 1)) for i, s in enumerate(shapes)}
+    f = jax.jit(lambda t: jaxddp.allreduce(t, op="sum"))
+    for _ in range(2):
+        out = f(tree)
+        for i in range(len(shapes)):
+            np.testing.assert_array_equal(out[f"p{i:03d}"], (i + 1) * size * (size + 1) / 2)
