@@ -31,6 +31,8 @@ PAYLOADS = {
     # name: list of leaf shapes (float32)
     "4KB x1": [(1024,)],
     "ResNet-50 x0.1": resnet50_shapes(0.1),
+    # the same parameters raveled into one vector (docs: sharp bits, many parameter arrays)
+    "ResNet-50 x0.1 raveled": [(sum(int(np.prod(s)) for s in resnet50_shapes(0.1)),)],
     "1000 x 1KB": [(256,)] * 1000,
     "ResNet-50": resnet50_shapes(1.0),
 }
