@@ -81,12 +81,12 @@ def _mlp_data():
     return params, x, y
 
 
-def _train(tx, params, batches):
+def _train(tx, params, batches, loss=_mlp_loss):
     opt_state = tx.init(params)
 
     @jax.jit
     def step(params, opt_state, x, y):
-        grads = jax.grad(_mlp_loss)(params, x, y)
+        grads = jax.grad(loss)(params, x, y)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
@@ -112,6 +112,22 @@ def test_ddp_equals_one_process_on_the_whole_batch():
     for a, b in zip(jax.tree.leaves(ddp), jax.tree.leaves(single), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     assert not np.allclose(ddp["w1"], params["w1"])
+
+
+def test_a_flat_state_trains_like_the_tree_it_was_raveled_from():
+    """The docs' recipe for many-leaf models: ravel the parameters into one vector."""
+    from jax.flatten_util import ravel_pytree
+
+    params, x, y = _mlp_data()
+    batches = [(_shard(x), _shard(y))] * 5
+    tx = optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-2))
+    tree = _train(tx, params, batches)
+    vector, unravel = ravel_pytree(params)
+    flat = unravel(_train(tx, vector, batches, loss=lambda v, x, y: _mlp_loss(unravel(v), x, y)))
+    for a, b in zip(jax.tree.leaves(flat), jax.tree.leaves(tree), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert _identical_on_every_rank(flat)
+    assert not np.allclose(flat["w1"], params["w1"])
 
 
 def test_multisteps_equals_one_process():
