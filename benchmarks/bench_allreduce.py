@@ -5,6 +5,8 @@
 Every implementation reduces the same float32 gradient-shaped trees (see payloads.py). A
 sample is the slowest rank's time for one reduction, the ranks lined up by a barrier first;
 the figure is the median over ``--repeats`` samples after ``--warmup`` untimed ones. The
+implementations take turns, one sample each per round, so that a slow spell of the machine
+falls on all of them instead of on whichever was being measured. The
 limit is mpi4py's ``Allreduce`` of one preallocated flat numpy buffer of the same size: no
 JAX, no copies, no allocation.
 """
@@ -31,20 +33,36 @@ from benchmarks.payloads import PAYLOADS, make_tree, nbytes
 from jaxddp import _comm
 
 
+def _sample(fn: Callable[[], object]) -> float:
+    """The slowest rank's seconds for one call of fn, the ranks lined up by a barrier."""
+    comm = _comm.py_comm()
+    comm.Barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = time.perf_counter() - start
+    return comm.allreduce(elapsed, op=_comm.mpi().MAX)
+
+
 def timed(fn: Callable[[], object], warmup: int, repeats: int) -> float:
     """Median over repeats of the slowest rank's seconds for one call of fn."""
-    comm = _comm.py_comm()
-    MPI = _comm.mpi()
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        comm.Barrier()
-        start = time.perf_counter()
-        fn()
-        elapsed = time.perf_counter() - start
-        samples.append(comm.allreduce(elapsed, op=MPI.MAX))
-    return statistics.median(samples)
+    return interleaved({"fn": fn}, warmup, repeats)["fn"]
+
+
+def interleaved(fns: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict:
+    """Median seconds of each fn, the fns taking turns: one sample of each per round.
+
+    Each round starts one place further along, so that no fn always runs first (the first
+    sample of a round measured up to 2x slower here) or always after the same neighbour.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            samples[name].append(_sample(fns[name]))
+    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def impl_limit(tree: dict[str, np.ndarray]) -> Callable[[], object]:
@@ -204,8 +222,11 @@ def main() -> None:
         tree = make_tree(shapes, seed=rank)
         # the largest payloads get fewer samples: each one takes a tenth of a second
         repeats = args.repeats if nbytes(shapes) < 50e6 else max(5, args.repeats // 2)
-        for name in args.impls.split(","):
-            seconds = timed(IMPLS[name](tree), args.warmup, repeats)
+        impls = args.impls.split(",")
+        fns = {name: IMPLS[name](tree) for name in dict.fromkeys(impls)}
+        medians = interleaved(fns, args.warmup, repeats)
+        del fns  # the largest payload's device copies add up
+        for name, seconds in medians.items():
             rows.append(
                 {
                     "payload": payload,
@@ -217,7 +238,7 @@ def main() -> None:
                 }
             )
             if rank == 0:
-                print(f"{payload:>16} {name:>18} {seconds * 1e3:9.3f} ms", flush=True)
+                print(f"{payload:>22} {name:>18} {seconds * 1e3:9.3f} ms", flush=True)
     if rank == 0 and args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         env = {"jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")}

@@ -35,7 +35,7 @@ import optax
 from jax.flatten_util import ravel_pytree
 
 import jaxddp
-from benchmarks.bench_allreduce import timed
+from benchmarks.bench_allreduce import interleaved
 from benchmarks.payloads import PAYLOADS, make_tree
 
 MLP_SIZES = (64, 128, 10)
@@ -85,7 +85,7 @@ def flat(params: Any, loss_fn: Callable) -> tuple[jax.Array, Callable]:
 
 
 def measure(params: Any, loss_fn: Callable, batch: Any, repeats: int) -> dict[str, float]:
-    result = {}
+    runs = {}
     for name, tx in (
         ("with_sync", optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))),
         ("without_sync", optax.adam(1e-3)),
@@ -98,7 +98,8 @@ def measure(params: Any, loss_fn: Callable, batch: Any, repeats: int) -> dict[st
             state[0], state[1] = p, s
             jax.block_until_ready(loss)
 
-        result[f"{name}_s"] = timed(run, 5, repeats)
+        runs[name] = run
+    result = {f"{name}_s": s for name, s in interleaved(runs, 5, repeats).items()}
     result["sync_s"] = result["with_sync_s"] - result["without_sync_s"]
     result["communication_share"] = 1 - result["without_sync_s"] / result["with_sync_s"]
     return result
