@@ -1,0 +1,43 @@
+"""Compiles and runs one step holding many jaxddp collectives, for test_ordering.py.
+
+Run with TF_CPP_VMODULE=thunk_executor=6 so that XLA:CPU logs each executable's thunk
+execution graph: which thunk waits for which. The step holds large leaves that travel alone,
+float32 and bfloat16 buckets, an integer leaf, a reduction inside a ``lax.cond`` (the only
+conditional in the step), a broadcast and a max.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxddp
+
+rng = np.random.default_rng(jaxddp.rank())
+tree = {
+    **{
+        f"big{i}": jnp.asarray(rng.standard_normal(300_000 + i, dtype=np.float32)) for i in range(3)
+    },
+    **{
+        f"small{i}": jnp.asarray(rng.standard_normal((i + 1, 7), dtype=np.float32))
+        for i in range(20)
+    },
+    "half": jnp.ones(33, jnp.bfloat16),
+    "count": jnp.int32(jaxddp.rank()),
+}
+
+
+@jax.jit
+def step(tree, k):
+    mean = jaxddp.allreduce(tree)
+    inner = jax.lax.cond(
+        k > 0,
+        lambda: jaxddp.allreduce({"x": tree["small3"] * 2}, op="sum"),
+        lambda: {"x": tree["small3"]},
+    )
+    root = jaxddp.broadcast(tree["big0"] * 3)
+    top = jaxddp.allreduce(tree["small0"].sum(), op="max")
+    return mean, inner, root, top
+
+
+jax.block_until_ready(step(tree, 1))
+print("step done", flush=True)
