@@ -43,11 +43,6 @@ def _sample(fn: Callable[[], object]) -> float:
     return comm.allreduce(elapsed, op=_comm.mpi().MAX)
 
 
-def timed(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median over repeats of the slowest rank's seconds for one call of fn."""
-    return interleaved({"fn": fn}, warmup, repeats)["fn"]
-
-
 def interleaved(fns: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict:
     """Median seconds of each fn, the fns taking turns: one sample of each per round.
 
