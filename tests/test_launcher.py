@@ -438,9 +438,14 @@ def fresh_guard(monkeypatch):
     return monkeypatch
 
 
+def _launched_by(monkeypatch, capture):
+    """Sets the environment a captured launcher gives its first rank."""
+    for name, value in capture[0].items():
+        monkeypatch.setenv(name, value)
+
+
 def test_guard_refuses_then_refuses_again_from_its_cache(fresh_guard):
-    for name, value in OMPI5_RUN[0].items():
-        fresh_guard.setenv(name, value)
+    _launched_by(fresh_guard, OMPI5_RUN)
     mpi = FakeMPI(MPICH5)
     with pytest.raises(LauncherMismatchError, match="does not match"):
         _launcher.guard(mpi)  # type: ignore[arg-type]
@@ -450,8 +455,7 @@ def test_guard_refuses_then_refuses_again_from_its_cache(fresh_guard):
 
 
 def test_guard_accepts_a_match_once_and_then_costs_nothing(fresh_guard):
-    for name, value in HYDRA[0].items():
-        fresh_guard.setenv(name, value)
+    _launched_by(fresh_guard, HYDRA)
     mpi = FakeMPI(MPICH5)
     _launcher.guard(mpi)  # type: ignore[arg-type]
     _launcher.guard(mpi)  # type: ignore[arg-type]
@@ -459,8 +463,7 @@ def test_guard_accepts_a_match_once_and_then_costs_nothing(fresh_guard):
 
 
 def test_guard_warns_once_for_a_doubtful_case(fresh_guard):
-    for name, value in HYDRA[0].items():
-        fresh_guard.setenv(name, value)
+    _launched_by(fresh_guard, HYDRA)
     mpi = FakeMPI(UNKNOWN)
     with pytest.warns(LauncherWarning):
         _launcher.guard(mpi)  # type: ignore[arg-type]
@@ -469,8 +472,7 @@ def test_guard_warns_once_for_a_doubtful_case(fresh_guard):
 
 @pytest.mark.parametrize("value", ["1", "all", "yes"])
 def test_the_bypass_variable_skips_the_guard(fresh_guard, value):
-    for name, v in OMPI5_RUN[0].items():
-        fresh_guard.setenv(name, v)
+    _launched_by(fresh_guard, OMPI5_RUN)
     fresh_guard.setenv(SKIP, value)
     mpi = FakeMPI(MPICH5)
     _launcher.guard(mpi)  # type: ignore[arg-type]
@@ -479,16 +481,14 @@ def test_the_bypass_variable_skips_the_guard(fresh_guard, value):
 
 @pytest.mark.parametrize("value", ["0", ""])
 def test_the_bypass_variable_set_to_0_still_checks(fresh_guard, value):
-    for name, v in OMPI5_RUN[0].items():
-        fresh_guard.setenv(name, v)
+    _launched_by(fresh_guard, OMPI5_RUN)
     fresh_guard.setenv(SKIP, value)
     with pytest.raises(LauncherMismatchError):
         _launcher.guard(FakeMPI(MPICH5))  # type: ignore[arg-type]
 
 
 def test_guard_leaves_an_initialized_mpi_to_the_safety_net(fresh_guard):
-    for name, value in OMPI5_RUN[0].items():
-        fresh_guard.setenv(name, value)
+    _launched_by(fresh_guard, OMPI5_RUN)
     mpi = FakeMPI(MPICH5, initialized=True)
     _launcher.guard(mpi)  # type: ignore[arg-type]
     assert mpi.calls == 0
