@@ -7,6 +7,7 @@ calls first. mpi4jax is imported only after that, because importing it initializ
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -17,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _launcher
+from . import _host, _launcher, _primitive
+from ._buckets import plan, wire_dtype
 
 __all__ = ["allreduce", "broadcast", "init", "local_rank", "mpi", "rank", "reduce", "world_size"]
 
@@ -110,6 +112,7 @@ def mpi4jax() -> ModuleType:
     return m
 
 
+@functools.cache
 def _mpi_op(op: str) -> Any:
     MPI = mpi()
     return {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
@@ -131,82 +134,37 @@ def check_root(root: int, size: int) -> int:
     return int(root)
 
 
-# Leaves of at least this many bytes travel alone; smaller ones of one dtype are packed into
-# flat buckets of up to _BUCKET_BYTES, so that a tree of many small leaves costs a few MPI
-# calls instead of one per leaf, and large leaves are never copied into a bucket.
-# (Chosen from measurements: see benchmarks/.)
-_ALONE_BYTES = 1 << 20
-_BUCKET_BYTES = 4 << 20
-
-
-def _plan(leaves: list[jax.Array]) -> list[list[int]]:
-    """Groups leaf indices into MPI calls: one per large leaf, one per bucket of small ones.
-
-    Depends only on shapes and dtypes, so it is the same on every rank whose tree matches.
-    Empty leaves need no call and are left out.
-    """
-    groups: list[list[int]] = []
-    open_bucket: dict[Any, tuple[list[int], int]] = {}
-    for i, leaf in enumerate(leaves):
-        nbytes = leaf.size * leaf.dtype.itemsize
-        if leaf.size == 0:
-            continue
-        if nbytes >= _ALONE_BYTES:
-            groups.append([i])
-            continue
-        bucket, filled = open_bucket.get(leaf.dtype, ([], 0))
-        if bucket and filled + nbytes > _BUCKET_BYTES:
-            groups.append(bucket)
-            bucket, filled = [], 0
-        bucket.append(i)
-        open_bucket[leaf.dtype] = (bucket, filled + nbytes)
-    groups.extend(bucket for bucket, _ in open_bucket.values())
-    return groups
-
-
-# dtypes MPI (and mpi4jax) can carry as they are.
-_MPI_DTYPES = frozenset(
-    np.dtype(t)
-    for t in (
-        "float32", "float64", "complex64", "complex128", "bool",
-        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    )
-)  # fmt: skip
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
 def _to_wire(x: jax.Array, arithmetic: bool) -> jax.Array:
-    """A dtype MPI knows: bfloat16, float16 and the like are reduced in float32 (exact for
-    max and min, more accurate for sums) and moved bit for bit when nothing is computed."""
-    if x.dtype in _MPI_DTYPES:
+    wire = wire_dtype(x.dtype, arithmetic)
+    if wire == x.dtype:
         return x
-    if arithmetic:
-        return x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int64)
-    return jax.lax.bitcast_convert_type(x, _UNSIGNED[x.dtype.itemsize])
+    return x.astype(wire) if arithmetic else jax.lax.bitcast_convert_type(x, wire)
 
 
 def _from_wire(x: jax.Array, like: jax.Array, arithmetic: bool) -> jax.Array:
     if x.dtype == like.dtype:
         return x
-    if arithmetic:
-        return x.astype(like.dtype)
-    return jax.lax.bitcast_convert_type(x, like.dtype)
+    return x.astype(like.dtype) if arithmetic else jax.lax.bitcast_convert_type(x, like.dtype)
 
 
 def _fused(leaves: list[jax.Array], collective: Any, *, arithmetic: bool) -> list[jax.Array]:
-    """Applies an elementwise collective to every leaf, in as few calls as :func:`_plan` says.
+    """Applies an elementwise collective to every leaf, in as few calls as ``plan`` says.
 
-    ``arithmetic`` says whether the collective computes on the values (a reduction) or only
-    moves them (a broadcast); it decides how dtypes unknown to MPI travel.
+    ``collective`` takes the list of flat buffers and returns them reduced (or moved);
+    ``arithmetic`` says whether it computes on the values (a reduction) or only moves them
+    (a broadcast), which decides how dtypes unknown to MPI travel.
     """
     wire = [_to_wire(x, arithmetic) for x in leaves]
+    groups = plan(wire)
+    buffers = [
+        wire[g[0]] if len(g) == 1 else jnp.concatenate([wire[i].ravel() for i in g])
+        for g in groups
+    ]
     out: list[Any] = list(wire)  # empty leaves stay as they are
-    for group in _plan(wire):
+    for group, flat in zip(groups, collective(buffers), strict=True):
         if len(group) == 1:
-            (i,) = group
-            out[i] = collective(wire[i])
+            out[group[0]] = flat
             continue
-        flat = collective(jnp.concatenate([wire[i].ravel() for i in group]))
         offset = 0
         for i in group:
             n = wire[i].size
@@ -215,13 +173,42 @@ def _fused(leaves: list[jax.Array], collective: Any, *, arithmetic: bool) -> lis
     return [_from_wire(x, like, arithmetic) for x, like in zip(out, leaves, strict=True)]
 
 
-def _world_and_comm(comm: Any) -> tuple[int, int, Any]:
-    """(rank, size, communicator for mpi4jax) for a user's communicator or jaxddp's own."""
+# A user's communicator -> (it, a private duplicate for compiled code, one for host calls).
+# jaxddp never communicates on the user's communicator itself: a collective of a step still
+# running on the runtime's thread and one made from Python must never share a communicator.
+_private: dict[int, tuple[Any, Any, Any]] = {}
+
+
+def _channels(comm: Any) -> tuple[int, int, Any, Any]:
+    """(rank, size, communicator for compiled code, communicator for host calls)."""
+    world = init()
     if comm is None:
-        world = init()
-        return world.rank, world.size, world.jax_comm
-    init()
-    return comm.Get_rank(), comm.Get_size(), comm
+        return world.rank, world.size, world.jax_comm, world.py_comm
+    entry = _private.get(id(comm))
+    if entry is None:
+        with _lock:
+            entry = _private.setdefault(id(comm), (comm, comm.Dup(), comm.Dup()))
+    return comm.Get_rank(), comm.Get_size(), entry[1], entry[2]
+
+
+_LOW_FLOATS = frozenset(
+    np.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
+)
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _mean(x: Any, size: int) -> Any:
+    """The sum ``x`` divided by the world size: float32 for integer and boolean leaves."""
+    if isinstance(x, np.ndarray):
+        if x.dtype.kind in "fc" or x.dtype in _LOW_FLOATS:
+            return x / size
+        return np.asarray(x / size, dtype=np.float32)
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return x / size
+    return x / np.float32(size)
 
 
 def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
@@ -229,16 +216,21 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
 
     Small leaves of one dtype travel together in a few flat buffers; large leaves travel
     alone. Every rank must call it with a tree of the same structure, shapes and dtypes.
+    Inside ``jax.jit`` it adds no JAX effect, so the step keeps JAX's fast dispatch path.
+    Outside it (concrete values: metrics, evaluation) the values go through mpi4py
+    directly and come back as NumPy arrays.
 
     Args:
       tree: a pytree of arrays or numbers. Shapes and dtypes are kept, except that
         ``"mean"`` of an integer leaf is a float32 leaf, as with ``jnp.mean``.
       op: ``"sum"``, ``"mean"`` (sum divided by the world size), ``"max"`` or ``"min"``.
-      comm: an mpi4py communicator to reduce over; by default jaxddp's private clone of
-        ``COMM_WORLD``. Do not use the same communicator for mpi4py calls.
+      comm: an mpi4py communicator to reduce over; by default ``COMM_WORLD``. jaxddp
+        communicates on private duplicates of it, so it stays free for the caller's own
+        mpi4py calls.
 
     Returns:
-      A pytree of the same structure holding the reduced values, identical on every rank.
+      A pytree of the same structure holding the reduced values, identical on every rank:
+      jax arrays inside ``jax.jit``, NumPy arrays outside.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxddp
@@ -246,49 +238,77 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
       >>> out = jax.jit(lambda t: jaxddp.allreduce(t, op="sum"))(tree)
       >>> out["w"].tolist() == [float(jaxddp.world_size())] * 3
       True
+      >>> float(jaxddp.allreduce({"loss": 0.5})["loss"])  # outside jit: NumPy, no dispatch
+      0.5
     """
     check_op(op)
-    _, size, comm = _world_and_comm(comm)
+    _, size, jax_comm, host_comm = _channels(comm)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    leaves = [jnp.asarray(x) for x in leaves]
-    if size > 1:
-        mpi_op = _mpi_op(op)
-        m = mpi4jax()
-        leaves = _fused(leaves, lambda x: m.allreduce(x, mpi_op, comm=comm), arithmetic=True)
+    mpi_op = _mpi_op(op)
+    if all(_is_concrete(x) for x in leaves):
+        leaves = [np.asarray(x) for x in leaves]
+        if size > 1:
+            leaves = _host.allreduce(leaves, mpi_op, host_comm)
+    else:
+        leaves = [jnp.asarray(x) for x in leaves]
+        if size > 1:
+            leaves = _fused(
+                leaves,
+                lambda bs: _primitive.allreduce_many(bs, mpi_op, jax_comm),
+                arithmetic=True,
+            )
     if op == "mean":
-        leaves = [
-            x / size if jnp.issubdtype(x.dtype, jnp.inexact) else x / np.float32(size)
-            for x in leaves
-        ]
+        leaves = [_mean(x, size) for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def _is_concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)  # pyright: ignore[reportAttributeAccessIssue]
+def host_allreduce(buffers: list[np.ndarray], comm: Any = None) -> list[np.ndarray]:
+    """Sums NumPy buffers across ranks through mpi4py (no JAX dispatch); a world of one
+    gets them back as they are."""
+    _, size, _, host_comm = _channels(comm)
+    return _host.allreduce(buffers, _mpi_op("sum"), host_comm) if size > 1 else buffers
 
 
 def _is_number_or_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex)
 
 
-def _rooted(tree: Any, root: int, comm: Any, collective: Any, *, arithmetic: bool) -> Any:
-    """Applies a rooted collective to the array and number leaves; others pass unchanged."""
-    _, size, comm = _world_and_comm(comm)
+def _restore(old: Any, new: Any) -> Any:
+    """A received value in the kind of its leaf: a number stays a number, a jax array a
+    jax array, a NumPy array a NumPy array."""
+    if not _is_concrete(new):
+        return new
+    if isinstance(old, int | float | complex):
+        return type(old)(np.asarray(new).item())
+    if isinstance(old, jax.Array):
+        return jnp.asarray(new)
+    return new
+
+
+def _rooted(
+    tree: Any, root: int, comm: Any, traced: Any, host: Any, *, arithmetic: bool
+) -> Any:
+    """Applies a rooted collective to the array and number leaves; others pass unchanged.
+
+    ``traced(buffers, jax_comm)`` runs it in compiled code, ``host(leaves, host_comm)`` on
+    concrete values.
+    """
+    _, size, jax_comm, host_comm = _channels(comm)
     check_root(root, size)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     picked = [i for i, leaf in enumerate(leaves) if _is_number_or_array(leaf)]
     if size > 1 and picked:
-        m = mpi4jax()
-        done = _fused(
-            [jnp.asarray(leaves[i]) for i in picked],
-            collective(m, root, comm),
-            arithmetic=arithmetic,
-        )
+        values = [leaves[i] for i in picked]
+        if all(_is_concrete(x) for x in values):
+            done = host([np.asarray(x) for x in values], host_comm)
+        else:
+            done = _fused(
+                [jnp.asarray(x) for x in values],
+                lambda bs: traced(bs, jax_comm),
+                arithmetic=arithmetic,
+            )
         for i, new in zip(picked, done, strict=True):
-            old = leaves[i]
-            if isinstance(old, int | float | complex) and _is_concrete(new):
-                new = type(old)(new.item())  # noqa: PLW2901 - a number stays a number
-            leaves[i] = new
+            leaves[i] = _restore(leaves[i], new)
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -296,7 +316,8 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
     """Gives every rank ``root``'s values of every array and number leaf.
 
     Leaves that are neither arrays nor numbers (strings, callables, ...) are returned
-    unchanged. Every rank must pass a tree of the same structure, shapes and dtypes; use
+    unchanged; the others keep their kind (a jax array stays a jax array, a number a
+    number). Every rank must pass a tree of the same structure, shapes and dtypes; use
     :func:`jaxddp.synchronize` to have that checked first. Works inside ``jax.jit``.
 
     Example:
@@ -306,7 +327,12 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
       'mlp'
     """
     return _rooted(
-        tree, root, comm, lambda m, r, c: lambda x: m.bcast(x, r, comm=c), arithmetic=False
+        tree,
+        root,
+        comm,
+        lambda bs, c: _primitive.bcast_many(bs, root, c),
+        lambda xs, c: _host.broadcast(xs, root, c),
+        arithmetic=False,
     )
 
 
@@ -329,13 +355,20 @@ def reduce(tree: Any, op: str, root: int = 0, *, comm: Any = None) -> Any:
         tree,
         root,
         comm,
-        lambda m, r, c: lambda x: m.reduce(x, mpi_op, r, comm=c),
+        lambda bs, c: _primitive.reduce_many(bs, mpi_op, root, c),
+        lambda xs, c: _host.reduce(xs, mpi_op, root, c),
         arithmetic=True,
     )
-    rank, size, _ = _world_and_comm(comm)
+    rank, size, _, _ = _channels(comm)
     if op != "mean" or rank != root:
         return out
-    return jax.tree_util.tree_map(lambda x: x / size if _is_number_or_array(x) else x, out)
+
+    def mean(x: Any) -> Any:
+        if isinstance(x, int | float | complex):
+            return x / size
+        return _mean(x, size) if _is_number_or_array(x) else x
+
+    return jax.tree_util.tree_map(mean, out)
 
 
 def _install_abort_on_error(world: _World) -> None:

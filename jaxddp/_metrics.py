@@ -6,8 +6,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from ._comm import allreduce
+from ._comm import _is_concrete, allreduce
+from ._comm import host_allreduce as _host_allreduce
 
 __all__ = ["masked_mean"]
 
@@ -38,9 +40,22 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
       >>> float(jax.jit(jaxddp.masked_mean)(loss, mask))  # on one rank
       2.0
     """
+    if _is_concrete(values) and _is_concrete(mask):
+        return _host_masked_mean(np.asarray(values), np.asarray(mask))
     values = jnp.asarray(values)
     mask = jnp.asarray(mask)
-    if mask.dtype != jnp.bool_:
+    _check(values, mask)
+    dtype = values.dtype if jnp.issubdtype(values.dtype, jnp.inexact) else jnp.float32
+    where = mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim))
+    axes = tuple(range(mask.ndim))
+    total = jnp.sum(jnp.where(where, values.astype(dtype), jnp.zeros((), dtype)), axis=axes)
+    count = jnp.sum(mask, dtype=jnp.int32)
+    reduced = allreduce({"total": total, "count": count}, op="sum")
+    return reduced["total"] / reduced["count"].astype(dtype)
+
+
+def _check(values: Any, mask: Any) -> None:
+    if mask.dtype != np.bool_:
         msg = (
             f"Expected `mask` to be a boolean array, got dtype {mask.dtype} instead. "
             "Pass the mask from `DistributedSampler`, or compare, e.g. `weights > 0`."
@@ -52,10 +67,21 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
             f"{mask.shape} instead. The mask has one entry per sample (the leading axes)."
         )
         raise ValueError(msg)
-    dtype = values.dtype if jnp.issubdtype(values.dtype, jnp.inexact) else jnp.float32
+
+
+def _host_masked_mean(values: np.ndarray, mask: np.ndarray) -> Any:
+    """The same mean on concrete values, in NumPy: the masked sums (accumulated in double
+    precision) and the count travel in one buffer, one MPI call."""
+    _check(values, mask)
+    inexact = values.dtype.kind in "fc" or jnp.issubdtype(values.dtype, jnp.inexact)
+    dtype = values.dtype if inexact else np.dtype(np.float32)
+    wide = np.complex128 if values.dtype.kind == "c" else np.float64
     where = mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim))
-    axes = tuple(range(mask.ndim))
-    total = jnp.sum(jnp.where(where, values.astype(dtype), jnp.zeros((), dtype)), axis=axes)
-    count = jnp.sum(mask, dtype=jnp.int32)
-    reduced = allreduce({"total": total, "count": count}, op="sum")
-    return reduced["total"] / reduced["count"].astype(dtype)
+    total = np.sum(values, axis=tuple(range(mask.ndim)), dtype=wide, where=where)
+    buffer = np.empty(total.size + 1, wide)
+    buffer[:-1] = total.ravel()
+    buffer[-1] = np.count_nonzero(mask)
+    (buffer,) = _host_allreduce([buffer])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean = buffer[:-1] / buffer[-1]
+    return mean.reshape(total.shape).astype(dtype)

@@ -1,0 +1,68 @@
+"""How a tree of leaves travels through MPI: which leaves share a call, in which dtype.
+
+Pure planning on shapes and dtypes, shared by the compiled path (jax arrays and tracers) and
+the host path (NumPy arrays), so both send exactly the same messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "MPI_DTYPES", "plan", "wire_dtype"]
+
+# Leaves of at least this many bytes travel alone; smaller ones of one dtype are packed into
+# flat buckets of up to BUCKET_BYTES, so that a tree of many small leaves costs a few MPI
+# calls instead of one per leaf, and large leaves are never copied into a bucket.
+# (Chosen from measurements: see benchmarks/.)
+ALONE_BYTES = 1 << 20
+BUCKET_BYTES = 4 << 20
+
+# dtypes MPI (and mpi4jax) can carry as they are.
+MPI_DTYPES = frozenset(
+    np.dtype(t)
+    for t in (
+        "float32", "float64", "complex64", "complex128", "bool",
+        "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    )
+)  # fmt: skip
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def wire_dtype(dtype: Any, arithmetic: bool) -> np.dtype:
+    """The dtype a leaf travels in. bfloat16, float16 and the like are reduced in float32
+    (exact for max and min, more accurate for sums) and moved bit for bit (as unsigned
+    integers of their size) when nothing is computed on them."""
+    dtype = np.dtype(dtype)
+    if dtype in MPI_DTYPES:
+        return dtype
+    if arithmetic:
+        return np.dtype(np.float32 if jnp.issubdtype(dtype, jnp.floating) else np.int64)
+    return np.dtype(_UNSIGNED[dtype.itemsize])
+
+
+def plan(leaves: list[Any]) -> list[list[int]]:
+    """Groups leaf indices into MPI calls: one per large leaf, one per bucket of small ones.
+
+    Depends only on shapes and dtypes, so it is the same on every rank whose tree matches.
+    Empty leaves need no call and are left out.
+    """
+    groups: list[list[int]] = []
+    open_bucket: dict[Any, tuple[list[int], int]] = {}
+    for i, leaf in enumerate(leaves):
+        nbytes = leaf.size * leaf.dtype.itemsize
+        if leaf.size == 0:
+            continue
+        if nbytes >= ALONE_BYTES:
+            groups.append([i])
+            continue
+        bucket, filled = open_bucket.get(leaf.dtype, ([], 0))
+        if bucket and filled + nbytes > BUCKET_BYTES:
+            groups.append(bucket)
+            bucket, filled = [], 0
+        bucket.append(i)
+        open_bucket[leaf.dtype] = (bucket, filled + nbytes)
+    groups.extend(bucket for bucket, _ in open_bucket.values())
+    return groups

@@ -1,0 +1,89 @@
+"""Collectives on concrete values: NumPy buffers through mpi4py, no JAX dispatch at all.
+
+Outside ``jax.jit`` (metrics logged each step, an evaluation's ``masked_mean``), compiling
+and dispatching a tiny executable costs far more than moving a few bytes. Here the leaves
+are read into NumPy, packed as :func:`jaxddp._buckets.plan` says (the same messages the
+compiled path sends) and reduced in place with mpi4py. Results are NumPy arrays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._buckets import ALONE_BYTES, MPI_DTYPES, plan, wire_dtype
+
+__all__ = ["allreduce", "broadcast", "reduce"]
+
+
+def _wire(x: Any, arithmetic: bool) -> np.ndarray:
+    x = np.asarray(x)
+    wire = wire_dtype(x.dtype, arithmetic)
+    if wire == x.dtype:
+        return x
+    return x.astype(wire) if arithmetic else x.view(wire)
+
+
+def _unwire(x: np.ndarray, like: np.dtype, arithmetic: bool) -> np.ndarray:
+    if x.dtype == like:
+        return x
+    return x.astype(like) if arithmetic else x.view(like)
+
+
+def _apply(
+    leaves: list[Any], call: Any, *, arithmetic: bool, receive: bool = True
+) -> list[np.ndarray]:
+    """Runs ``call(buffer)`` in place on each packed buffer; returns the unpacked leaves.
+
+    ``receive=False`` (a rank whose buffers are only sent) skips the unpacking.
+    """
+    dtypes = [np.asarray(x).dtype for x in leaves]
+    wire = [_wire(x, arithmetic) for x in leaves]
+    out: list[np.ndarray] = list(wire)  # empty leaves stay as they are
+    for group in plan(wire):
+        buffer = np.concatenate([wire[i].ravel() for i in group])  # a writable copy
+        call(buffer)
+        if not receive:
+            continue
+        offset = 0
+        for i in group:
+            n = wire[i].size
+            out[i] = buffer[offset : offset + n].reshape(wire[i].shape)
+            offset += n
+    return [_unwire(x, d, arithmetic) for x, d in zip(out, dtypes, strict=True)]
+
+
+def allreduce(leaves: list[np.ndarray], op: Any, comm: Any) -> list[np.ndarray]:
+    """Each leaf reduced with the MPI op ``op`` over ``comm``, as NumPy arrays."""
+    from mpi4py import MPI
+
+    dtype = leaves[0].dtype
+    if dtype in MPI_DTYPES and all(x.dtype == dtype for x in leaves):
+        # The common case (a few metrics of one dtype) kept short: one buffer, one call.
+        buffer = np.concatenate([x.ravel() for x in leaves])
+        if buffer.nbytes < ALONE_BYTES:
+            comm.Allreduce(MPI.IN_PLACE, buffer, op)
+            out, offset = [], 0
+            for x in leaves:
+                out.append(buffer[offset : offset + x.size].reshape(x.shape))
+                offset += x.size
+            return out
+    return _apply(leaves, lambda b: comm.Allreduce(MPI.IN_PLACE, b, op), arithmetic=True)
+
+
+def broadcast(leaves: list[Any], root: int, comm: Any) -> list[np.ndarray]:
+    """``root``'s leaves on every rank, as NumPy arrays."""
+    return _apply(leaves, lambda b: comm.Bcast(b, root), arithmetic=False)
+
+
+def reduce(leaves: list[Any], op: Any, root: int, comm: Any) -> list[np.ndarray]:
+    """Each leaf reduced onto ``root``; the other ranks get their leaves back as NumPy."""
+    from mpi4py import MPI
+
+    if comm.Get_rank() == root:
+        return _apply(
+            leaves, lambda b: comm.Reduce(MPI.IN_PLACE, b, op, root), arithmetic=True
+        )
+    _apply(leaves, lambda b: comm.Reduce(b, None, op, root), arithmetic=True, receive=False)
+    return [np.asarray(x) for x in leaves]

@@ -1,0 +1,375 @@
+"""jaxddp's MPI primitives: effect-free, so a jitted step keeps JAX's fast dispatch path.
+
+An executable that holds a primitive with a JAX effect (mpi4jax's are ordered effects) is
+dispatched on JAX's Python path, at tens of microseconds per argument and result leaf. The
+primitives here carry no effect. Their lowering calls the same FFI targets that mpi4jax
+registers (``mpi_allreduce_ffi``, ``mpi_bcast_ffi``, ``mpi_reduce_ffi``), each custom call
+marked side-effecting and threaded with an XLA token. Every rank then starts its collectives
+in the same order because of two facts of XLA:CPU and its PjRt client, both checked by the
+test suite for the jaxlib versions listed in :data:`VERIFIED_JAXLIB`:
+
+* Inside one executable, XLA:CPU's thunk executor gives every token buffer one shared
+  resource, so every custom call that takes or makes a token waits for the one scheduled
+  before it, through ``cond`` and ``while`` bodies too (``tests/test_ordering.py`` reads the
+  execution graph XLA:CPU logs and fails if that changes).
+* Across executables, the PjRt CPU client makes each single-device executable wait for the
+  one enqueued before it on its device, so executables run in dispatch order.
+
+Where either fact is not established (another platform, an unverified jaxlib, several local
+devices), :func:`fast_path` is False and the collectives are mpi4jax's ordered-effect
+primitives, as before: slower to dispatch, ordered by JAX's runtime tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import dispatch
+from jax._src.core import ShapedArray, abstract_token
+from jax._src.lax.lax import create_token_p
+from jax.extend.core import Primitive
+from jax._src.interpreters import partial_eval as pe
+from jax.interpreters import ad, batching, mlir
+
+__all__ = [
+    "VERIFIED_JAXLIB",
+    "allreduce_many",
+    "bcast_many",
+    "fast_path",
+    "reduce_many",
+]
+
+# (major, minor) of the jaxlib releases whose ordering the test suite has established.
+VERIFIED_JAXLIB = frozenset({(0, 10)})
+
+# Test-suite switch between the two paths ("fast" or "ordered"); not a user setting.
+PATH_VARIABLE = "JAXDDP_TEST_COLLECTIVE_PATH"
+
+
+def _jaxlib_version() -> tuple[int, int]:
+    import jaxlib
+
+    major, minor = jaxlib.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+@functools.cache
+def fast_path() -> bool:
+    """Whether jaxddp's collectives use the effect-free primitives (decided once)."""
+    forced = os.environ.get(PATH_VARIABLE, "").strip().lower()
+    if forced in ("fast", "ordered"):
+        return forced == "fast"
+    return (
+        jax.default_backend() == "cpu"
+        and jax.local_device_count() == 1
+        and _jaxlib_version() in VERIFIED_JAXLIB
+    )
+
+
+class Handle:
+    """An MPI object as a primitive parameter: hashable by its C handle, as jit requires."""
+
+    def __init__(self, obj: Any) -> None:
+        from mpi4py import MPI
+
+        self.obj = obj
+        handle = MPI._handleof(obj)  # pyright: ignore[reportAttributeAccessIssue]
+        # MPICH's handles are 32-bit signed: mpi4py may hand them back sign-extended.
+        self.handle = handle - (1 << 64) if handle >= (1 << 63) else handle
+
+    def __hash__(self) -> int:
+        return hash(self.handle)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Handle) and other.handle == self.handle
+
+    def __repr__(self) -> str:
+        return f"Handle({self.handle})"
+
+
+# The predefined MPI datatype of each dtype that travels as it is (mpi4jax's choice too).
+_MPI_TYPES = {
+    "float32": "FLOAT", "float64": "DOUBLE", "complex64": "COMPLEX",
+    "complex128": "DOUBLE_COMPLEX", "bool": "BOOL",
+    "int8": "INT8_T", "int16": "INT16_T", "int32": "INT32_T", "int64": "INT64_T",
+    "uint8": "UINT8_T", "uint16": "UINT16_T", "uint32": "UINT32_T", "uint64": "UINT64_T",
+}  # fmt: skip
+
+
+def _dtype_handle(dtype: Any) -> np.int64:
+    from mpi4py import MPI
+
+    return np.int64(Handle(getattr(MPI, _MPI_TYPES[np.dtype(dtype).name])).handle)
+
+
+# What each collective's FFI target takes besides the buffer, from the primitive's params.
+def _attrs(kind: str, params: dict[str, Any]) -> dict[str, Any]:
+    attrs = {"comm": np.int64(params["comm"].handle)}
+    if kind in ("allreduce", "reduce"):
+        attrs["op"] = np.int64(params["op"].handle)
+    if kind in ("bcast", "reduce"):
+        attrs["root"] = np.int64(params["root"])
+    return attrs
+
+
+_TARGETS = {"allreduce": "mpi_allreduce_ffi", "bcast": "mpi_bcast_ffi", "reduce": "mpi_reduce_ffi"}
+
+
+def _emit(ctx: Any, token: Any, xs: Sequence[Any], avals_in: Any, avals_out: Any, kind: str,
+          params: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """One side-effecting custom call per buffer, each taking the previous call's token."""
+    from jax._src.core import abstract_token
+
+    rule = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True)
+    attrs = _attrs(kind, params)
+    outs = []
+    for x, aval_in, aval_out in zip(xs, avals_in, avals_out, strict=True):
+        sub = ctx.replace(
+            avals_in=(aval_in, abstract_token), avals_out=(aval_out, abstract_token)
+        )
+        nitems = np.int64(np.prod(aval_in.shape, dtype=np.int64))
+        out, token = rule(sub, x, token, nitems=nitems, dtype=_dtype_handle(aval_in.dtype), **attrs)
+        outs.append(out)
+    return token, outs
+
+
+def _out_avals(kind: str, avals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """A broadcast's root and a reduce's non-roots get nothing back (their input stands)."""
+    empty = (kind == "bcast" and params["is_root"]) or (kind == "reduce" and not params["is_root"])
+    return [ShapedArray((0,) if empty else a.shape, a.dtype) for a in avals]
+
+
+# The two forms a collective takes once staged into a jaxpr. `chained`: no effect; it takes
+# the token of the collective staged before it in the same jit and returns its own, so the
+# custom calls form one chain in XLA:CPU's execution graph. `ordered`: mpi4jax's ordered
+# effect, whose token JAX threads through control flow and across executables; it also
+# waits for the last chained token, when there is one.
+_chained_p = Primitive("jaxddp_chained")
+_chained_p.multiple_results = True
+_chained_p.def_abstract_eval(
+    lambda token, *xs, kind, **params: [abstract_token, *_out_avals(kind, xs, params)]
+)
+pe.dce_rules[_chained_p] = lambda used, eqn: ([True] * len(eqn.invars), eqn)
+
+
+def _lower_chained(ctx: Any, token: Any, *xs: Any, kind: str, **params: Any) -> list[Any]:
+    token, outs = _emit(ctx, token, xs, ctx.avals_in[1:], ctx.avals_out[1:], kind, params)
+    return [token, *outs]
+
+
+mlir.register_lowering(_chained_p, _lower_chained, platform="cpu")
+
+_ordered_p = Primitive("jaxddp_ordered")
+_ordered_p.multiple_results = True
+
+
+def _ordered_abstract(*args: Any, kind: str, chained: bool, tangent: bool, **params: Any) -> Any:
+    from mpi4jax._src.utils import ordered_effect
+
+    xs = args[1:] if chained else args
+    return _out_avals(kind, xs, params), {ordered_effect}
+
+
+_ordered_p.def_effectful_abstract_eval(_ordered_abstract)
+
+
+def _lower_ordered(
+    ctx: Any, *args: Any, kind: str, chained: bool, tangent: bool, **params: Any
+) -> list[Any]:
+    from mpi4jax._src.utils import ordered_effect
+
+    if chained:  # the first ordered collective after chained ones: it takes their token
+        token, xs, avals_in = args[0], args[1:], ctx.avals_in[1:]
+    else:
+        token, xs, avals_in = ctx.tokens_in.get(ordered_effect), args, ctx.avals_in
+    token, outs = _emit(ctx, token, xs, avals_in, ctx.avals_out, kind, params)
+    ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
+    return outs
+
+
+# A tangent's collective transposes to the cotangent unchanged (mpi4jax's definition).
+def _transpose_tangent(cts: Any, *args: Any, chained: bool, tangent: bool, **params: Any) -> Any:
+    if not tangent:
+        msg = "Only the tangent of jaxddp's allreduce can be transposed."
+        raise NotImplementedError(msg)
+    cts = [ad.instantiate_zeros(ct) for ct in cts]
+    return [None, *cts] if chained else cts
+
+
+ad.primitive_transposes[_ordered_p] = _transpose_tangent
+
+
+for _platform in ("cpu", "cuda", "rocm"):
+    with contextlib.suppress(NotImplementedError):  # a platform whose plugin is absent
+        mlir.register_lowering(_ordered_p, _lower_ordered, platform=_platform)
+
+
+class _Chain:
+    """What one jit's trace has staged: the last chained token, and whether a collective
+    inside control flow (or a nested jit) has switched the rest to the ordered form."""
+
+    __slots__ = ("switched", "token")
+
+    def __init__(self) -> None:
+        self.token: Any = None
+        self.switched = False
+
+
+_chains: weakref.WeakKeyDictionary[Any, _Chain] = weakref.WeakKeyDictionary()
+
+
+def _root(trace: Any) -> Any:
+    """The outermost jaxpr trace above ``trace``: the jit being traced."""
+    root, t = trace, trace
+    while t is not None:
+        if isinstance(t, pe.DynamicJaxprTrace):
+            root = t
+        t = getattr(t, "parent_trace", None)
+    return root
+
+
+def _stage(
+    p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: Any
+) -> list[Any]:
+    """Stages a collective into ``trace``: chained at the jit's own level, ordered inside
+    control flow and nested jits (and everywhere when the fast path is off).
+
+    The first ordered collective after chained ones takes the last chained token, so the
+    chain continues into JAX's effect token; every later one in the jit is ordered too.
+    Tangents (differentiated collectives) are always ordered and leave the chain alone:
+    reverse mode transposes them away, forward mode orders them as mpi4jax did.
+    """
+    params = dict(params, kind=p.kind)
+    if p.tangent:
+        return _ordered_p.bind_with_trace(
+            trace, tuple(args), tuple(avals), dict(params, chained=False, tangent=True)
+        )
+    root = _root(trace)
+    chain = _chains.get(root)
+    if chain is None:
+        chain = _chains.setdefault(root, _Chain())
+    if fast_path() and trace is root and not chain.switched:
+        token = chain.token
+        if token is None:
+            token = create_token_p.bind_with_trace(root, (), (), {})
+        token, *outs = _chained_p.bind_with_trace(
+            trace, (token, *args), (abstract_token, *avals), params
+        )
+        chain.token = token
+        return outs
+    chain.switched = True
+    token, chain.token = chain.token, None
+    params.update(chained=token is not None, tangent=False)
+    if token is None:
+        return _ordered_p.bind_with_trace(trace, tuple(args), tuple(avals), params)
+    return _ordered_p.bind_with_trace(trace, (token, *args), (abstract_token, *avals), params)
+
+
+class _Collective(Primitive):
+    """A collective as JAX transforms see it (differentiation, vmap); the form it takes in
+    the compiled program is decided where it is staged into a jaxpr (:func:`_stage`)."""
+
+    multiple_results = True
+
+    def __init__(self, kind: str, *, tangent: bool = False) -> None:
+        super().__init__(f"jaxddp_{kind}{'_tangent' if tangent else ''}")
+        self.kind = kind
+        self.tangent = tangent
+
+    def bind_with_trace(self, trace: Any, args: Any, avals: Any, params: Any, /) -> Any:
+        if isinstance(trace, pe.DynamicJaxprTrace):
+            return _stage(self, trace, args, avals, params)
+        return super().bind_with_trace(trace, args, avals, params)
+
+
+def _collective(kind: str, *, tangent: bool = False) -> _Collective:
+    p = _Collective(kind, tangent=tangent)
+    p.def_impl(functools.partial(dispatch.apply_primitive, p))
+    p.def_abstract_eval(lambda *xs, **params: _out_avals(kind, xs, params))
+    return p
+
+
+allreduce_p = _collective("allreduce")
+bcast_p = _collective("bcast")
+reduce_p = _collective("reduce")
+# The tangent of a sum: reduced like it, and transposed to the cotangent unchanged, as
+# mpi4jax defines it, so that switching paths changes no gradient.
+_tangent_p = _collective("allreduce", tangent=True)
+
+
+def _allreduce_jvp(primals: Any, tangents: Any, *, op: Handle, comm: Handle) -> Any:
+    from mpi4py import MPI
+
+    if op != Handle(MPI.SUM):
+        msg = "jaxddp's allreduce is differentiable only for op='sum' and op='mean'."
+        raise NotImplementedError(msg)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    return allreduce_p.bind(*primals, op=op, comm=comm), _tangent_p.bind(
+        *tangents, op=op, comm=comm
+    )
+
+
+ad.primitive_jvps[allreduce_p] = _allreduce_jvp
+ad.primitive_jvps[_tangent_p] = lambda primals, tangents, **params: (
+    _tangent_p.bind(*primals, **params),
+    _tangent_p.bind(*[ad.instantiate_zeros(t) for t in tangents], **params),
+)
+ad.primitive_transposes[_tangent_p] = lambda cts, *xs, **params: list(cts)
+
+
+def _elementwise_batcher(p: Primitive) -> Any:
+    def rule(args: Any, dims: Any, **params: Any) -> Any:
+        return p.bind(*args, **params), list(dims)
+
+    return rule
+
+
+for _p in (allreduce_p, _tangent_p):
+    batching.primitive_batchers[_p] = _elementwise_batcher(_p)
+
+
+def _after(xs: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+    """``xs``, made to depend on ``outs`` so that no rank's dead-code elimination drops the
+    collective that made ``outs`` (a root's broadcast, a non-root's reduce), even inside a
+    nested ``jit`` whose outputs would otherwise be its forwarded inputs."""
+    return list(jax.lax.optimization_barrier((list(xs), list(outs)))[0])
+
+
+def _register_targets() -> None:
+    """Imports mpi4jax, whose import registers the FFI targets jaxddp's lowerings call."""
+    import mpi4jax  # noqa: F401
+
+
+def allreduce_many(xs: Sequence[Any], op: Any, comm: Any) -> list[Any]:
+    """Allreduces each array of ``xs`` (dtypes MPI knows) with the MPI op ``op``."""
+    if not xs:
+        return []
+    _register_targets()
+    return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm))
+
+
+def bcast_many(xs: Sequence[Any], root: int, comm: Any) -> list[Any]:
+    """Gives every rank ``root``'s values of each array of ``xs``."""
+    if not xs:
+        return []
+    _register_targets()
+    is_root = comm.Get_rank() == root
+    out = bcast_p.bind(*xs, root=root, comm=Handle(comm), is_root=is_root)
+    return _after(xs, out) if is_root else out
+
+
+def reduce_many(xs: Sequence[Any], op: Any, root: int, comm: Any) -> list[Any]:
+    """Reduces each array of ``xs`` onto ``root``; the other ranks get their input back."""
+    if not xs:
+        return []
+    _register_targets()
+    is_root = comm.Get_rank() == root
+    out = reduce_p.bind(*xs, op=Handle(op), root=root, comm=Handle(comm), is_root=is_root)
+    return out if is_root else _after(xs, out)
