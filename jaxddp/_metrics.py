@@ -12,7 +12,7 @@ from ._comm import allreduce
 __all__ = ["masked_mean"]
 
 
-def masked_mean(values: Any, mask: Any) -> jax.Array:
+def masked_mean(values: Any, mask: Any, *, comm: Any = None) -> jax.Array:
     """The mean over every rank's entries where ``mask`` is True; usable inside ``jax.jit``.
 
     The masked sum and the count are each summed over all ranks with
@@ -25,6 +25,8 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
         ``(batch,)`` or per-sample vectors of shape ``(batch, k)``.
       mask: a boolean array whose shape is the leading part of ``values.shape`` (usually
         ``(batch,)``). It is broadcast over the trailing axes of ``values``.
+      comm: an mpi4py communicator whose ranks' entries are averaged; by default the whole
+        world. Every rank of it must call.
 
     Returns:
       An array of shape ``values.shape[mask.ndim:]``, identical on every rank: the mean over
@@ -57,5 +59,5 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
     axes = tuple(range(mask.ndim))
     total = jnp.sum(jnp.where(where, values.astype(dtype), jnp.zeros((), dtype)), axis=axes)
     count = jnp.sum(mask, dtype=jnp.int32)
-    reduced = allreduce({"total": total, "count": count}, op="sum")
+    reduced = allreduce({"total": total, "count": count}, op="sum", comm=comm)
     return reduced["total"] / reduced["count"].astype(dtype)
