@@ -1,13 +1,15 @@
 """jaxddp: data-parallel training of JAX models over MPI, without the deadlocks.
 
-Importing jaxddp checks the launcher against the MPI library (before MPI starts) and does
-not initialize MPI; the first call that needs the world does.
+Importing jaxddp checks the launcher against the MPI library (before MPI starts), then
+initializes MPI as ``from mpi4py import MPI`` would, so the program's own mpi4py code works
+right away. A program that set ``mpi4py.rc.initialize = False`` first keeps MPI
+uninitialized until the first jaxddp call that needs the world.
 """
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from . import _comm, _launcher
+from . import _world
 from ._comm import allreduce as allreduce
 from ._comm import broadcast as broadcast
 from ._comm import local_rank as local_rank
@@ -30,7 +32,7 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
-_launcher.guard(_comm.mpi())
+_world.start()
 
 __all__ = [
     "DistributedSampler",

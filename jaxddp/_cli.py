@@ -14,6 +14,7 @@ and the MPI library do not work together (before or after ``MPI_Init``), 2 a usa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -23,7 +24,8 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from . import _comm, _launcher
+from . import _launcher, _settings, _world
+from ._launcher import LauncherMismatchError, LauncherReport, LauncherWarning, Verdict
 
 __all__ = ["doctor", "main"]
 
@@ -64,98 +66,130 @@ def main(argv: Sequence[str] | None = None) -> int:
 def doctor(*, as_json: bool = False) -> int:
     """Runs the checks, prints them from rank 0, and returns the exit code."""
     report = _launcher.check_launcher(force=True)
-    common = _common_facts()
-    if report.verdict == "mismatch":
+    facts = _common_facts()
+    printer = report.rank in (0, None)
+    if report.verdict is Verdict.MISMATCH:
         # MPI_Init would abort or start singletons: report without starting MPI.
-        row = _rank_row(report, mpi=None, caught=[], mpi4jax=_mpi4jax_not_checked())
+        row = RankRow(report, None, (), _mpi4jax_not_checked())
         problems = [report.message()]
-        printer = report.rank in (0, None)
         return _finish(
-            [row], common, problems=problems, code=EXIT_LAUNCHER, as_json=as_json, printer=printer
+            [row], facts, problems=problems, code=EXIT_LAUNCHER, as_json=as_json, printer=printer
         )
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", _launcher.LauncherWarning)
+        warnings.simplefilter("always", LauncherWarning)
         try:
-            world = _comm.init()
-        except _launcher.LauncherMismatchError as exc:  # the safety net: silent singletons
-            row = _rank_row(report, mpi=None, caught=caught, mpi4jax=_mpi4jax_not_checked())
-            printer = report.rank in (0, None)
+            world = _world.init()
+        except LauncherMismatchError as exc:  # the safety net: silent singletons
+            row = RankRow(report, None, _texts(caught), _mpi4jax_not_checked())
             return _finish(
                 [row],
-                common,
+                facts,
                 problems=[str(exc)],
                 code=EXIT_LAUNCHER,
                 as_json=as_json,
                 printer=printer,
             )
-    mpi = {
-        "rank": world.rank,
-        "size": world.size,
-        "local_rank": world.local_rank,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-    }
-    row = _rank_row(report, mpi=mpi, caught=caught, mpi4jax=_mpi4jax_status(common["library"]))
-    rows: list[dict[str, Any]] = _comm.py_comm().gather(row, root=0) or []
+    mpi = MPIFacts(world.rank, world.size, world.local_rank, socket.gethostname(), os.getpid())
+    row = RankRow(report, mpi, _texts(caught), _mpi4jax_status(facts.library))
+    rows: list[RankRow] = _world.py_comm().gather(row, root=0) or []
     code = EXIT_OK
     problems: list[str] = []
     if world.rank == 0:
         unusable: dict[str, list[str]] = {}
         for r in rows:
-            if r["mpi4jax"]["usable"] is False:
-                unusable.setdefault(r["mpi4jax"]["detail"], []).append(str(r["mpi"]["rank"]))
+            if r.mpi4jax.usable is False and r.mpi is not None:
+                unusable.setdefault(r.mpi4jax.detail, []).append(str(r.mpi.rank))
         for detail, ranks in unusable.items():
             problems.append(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {detail}")
         code = EXIT_MPI4JAX if unusable else EXIT_OK
-    code = _comm.py_comm().bcast(code, root=0)
+    code = _world.py_comm().bcast(code, root=0)
     return _finish(
-        rows, common, problems=problems, code=code, as_json=as_json, printer=world.rank == 0
+        rows, facts, problems=problems, code=code, as_json=as_json, printer=world.rank == 0
     )
 
 
 # ------------------------------------------------------------------------------ facts
 
 
-def _common_facts() -> dict[str, Any]:
-    library = str(_comm.mpi().Get_library_version()).replace("\x00", "").strip()
+@dataclasses.dataclass(frozen=True)
+class Facts:
+    """What every rank shares: package versions, the MPI library, the skip variable."""
+
+    versions: dict[str, str]
+    library: str
+    library_path: str | None
+    skip_variable: str | None
+    python: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MPIFacts:
+    """One rank as MPI sees it."""
+
+    rank: int
+    size: int
+    local_rank: int
+    host: str
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Mpi4jaxStatus:
+    """Whether mpi4jax imports here, and which MPI it was built with."""
+
+    version: str | None
+    built_with: str | None
+    usable: bool | None
+    detail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankRow:
+    """One rank's findings; rank 0 gathers them all."""
+
+    report: LauncherReport
+    mpi: MPIFacts | None
+    warnings: tuple[str, ...]
+    mpi4jax: Mpi4jaxStatus
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "report": self.report.as_dict(),
+            "mpi": dataclasses.asdict(self.mpi) if self.mpi else None,
+            "warnings": list(self.warnings),
+            "mpi4jax": dataclasses.asdict(self.mpi4jax),
+        }
+
+
+def _texts(caught: list[warnings.WarningMessage]) -> tuple[str, ...]:
+    return tuple(str(w.message) for w in caught)
+
+
+def _common_facts() -> Facts:
+    library = str(_world.mpi().Get_library_version()).replace("\x00", "").strip()
     versions = {}
     for name in _PACKAGES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             continue
-    libmpi = _launcher._loaded_libmpi()
-    return {
-        "versions": versions,
-        "library": library,
-        "library_path": str(libmpi) if libmpi else None,
-        "skip_variable": os.environ.get(_launcher.SKIP_VARIABLE),
-        "python": sys.executable,
-    }
+    libmpi = _launcher.loaded_libmpi()
+    return Facts(
+        versions=versions,
+        library=library,
+        library_path=str(libmpi) if libmpi else None,
+        skip_variable=os.environ.get(_settings.SKIP_LAUNCHER_CHECK.name),
+        python=sys.executable,
+    )
 
 
-def _rank_row(
-    report: _launcher.LauncherReport,
-    *,
-    mpi: dict[str, Any] | None,
-    caught: list[warnings.WarningMessage],
-    mpi4jax: dict[str, Any],
-) -> dict[str, Any]:
-    return {
-        "report": report.as_dict(),
-        "mpi": mpi,
-        "warnings": [str(w.message) for w in caught],
-        "mpi4jax": mpi4jax,
-    }
-
-
-def _mpi4jax_not_checked() -> dict[str, Any]:
-    return {
-        "version": _version("mpi4jax"),
-        "built_with": None,
-        "usable": None,
-        "detail": "not checked: importing mpi4jax starts MPI, which this launcher cannot.",
-    }
+def _mpi4jax_not_checked() -> Mpi4jaxStatus:
+    return Mpi4jaxStatus(
+        version=_version("mpi4jax"),
+        built_with=None,
+        usable=None,
+        detail="not checked: importing mpi4jax starts MPI, which this launcher cannot.",
+    )
 
 
 def _version(name: str) -> str | None:
@@ -165,28 +199,28 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _mpi4jax_status(runtime: str) -> dict[str, Any]:
+def _mpi4jax_status(runtime: str) -> Mpi4jaxStatus:
     """Whether mpi4jax imports, and whether its build's MPI is the one loaded now."""
     version = _version("mpi4jax")
     if version is None:
-        return {
-            "version": None,
-            "built_with": None,
-            "usable": False,
-            "detail": "mpi4jax is not installed; jaxddp needs it for collectives inside "
+        return Mpi4jaxStatus(
+            version=None,
+            built_with=None,
+            usable=False,
+            detail="mpi4jax is not installed; jaxddp needs it for collectives inside "
             'jax.jit. Install it built against this MPI: `MPI4JAX_BUILD_MPICC="$(which '
             'mpicc)" pip install --no-cache-dir mpi4jax`.',
-        }
+        )
     error = None
     try:
-        _comm.mpi4jax()
+        _world.mpi4jax()
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         error = " ".join(str(exc).split())
     bridge = sys.modules.get(_BRIDGE)
     info = getattr(bridge, "MPI_ABI_INFO", None) or {}
     built = str(info.get("mpi_library_version", "")).replace("\x00", "").strip()
-    built_lib = _launcher._parse_library(built) if built else None
-    runtime_lib = _launcher._parse_library(runtime)
+    built_lib = _launcher.parse_library(built) if built else None
+    runtime_lib = _launcher.parse_library(runtime)
     built_name = built_lib.name if built_lib else None
     if error is not None:
         detail = (
@@ -195,7 +229,7 @@ def _mpi4jax_status(runtime: str) -> dict[str, Any]:
             '`MPI4JAX_BUILD_MPICC="$(which mpicc)" pip install --no-cache-dir '
             "--force-reinstall mpi4jax`."
         )
-        return {"version": version, "built_with": built_name, "usable": False, "detail": detail}
+        return Mpi4jaxStatus(version, built_name, False, detail)
     if built_lib is None:
         detail = f"mpi4jax {version} imports; its build does not say which MPI it was built with."
     elif built_lib.name == runtime_lib.name:
@@ -205,15 +239,15 @@ def _mpi4jax_status(runtime: str) -> dict[str, Any]:
             f"built with {built_lib.name}, run with {runtime_lib.name}: same vendor, so the ABI "
             "is compatible, but rebuilding mpi4jax against the run-time MPI is safer."
         )
-    return {"version": version, "built_with": built_name, "usable": True, "detail": detail}
+    return Mpi4jaxStatus(version, built_name, True, detail)
 
 
 # ----------------------------------------------------------------------------- output
 
 
 def _finish(
-    rows: list[dict[str, Any]],
-    common: dict[str, Any],
+    rows: list[RankRow],
+    facts: Facts,
     *,
     problems: list[str],
     code: int,
@@ -223,118 +257,90 @@ def _finish(
     if printer:
         verdict = _overall(rows, code)
         if as_json:
+            first = rows[0].mpi
             doc = {
                 "verdict": verdict,
                 "exit_code": code,
-                **common,
-                "mpi_world_size": rows[0]["mpi"]["size"] if rows[0]["mpi"] else None,
-                "ranks": rows,
+                **dataclasses.asdict(facts),
+                "mpi_world_size": first.size if first else None,
+                "ranks": [r.as_dict() for r in rows],
                 "problems": problems,
             }
             print(json.dumps(doc, indent=2))
         else:
-            print(_text(rows, common, problems, verdict, code))
+            print(_text(rows, facts, problems, verdict, code))
         sys.stdout.flush()
     return code
 
 
-def _overall(rows: list[dict[str, Any]], code: int) -> str:
+def _overall(rows: list[RankRow], code: int) -> str:
     if code == EXIT_LAUNCHER:
         return "mismatch"
     if code == EXIT_MPI4JAX:
         return "mpi4jax unusable"
-    verdicts = {r["report"]["verdict"] for r in rows}
-    return "doubtful" if "doubtful" in verdicts or any(r["warnings"] for r in rows) else "ok"
+    doubtful = any(r.report.verdict is Verdict.DOUBTFUL or r.warnings for r in rows)
+    return "doubtful" if doubtful else "ok"
 
 
-def _text(
-    rows: list[dict[str, Any]],
-    common: dict[str, Any],
-    problems: list[str],
-    verdict: str,
-    code: int,
-) -> str:
+def _text(rows: list[RankRow], facts: Facts, problems: list[str], verdict: str, code: int) -> str:
     first = rows[0]
-    report = first["report"]
-    versions = ", ".join(f"{k} {v}" for k, v in common["versions"].items())
-    library = _launcher._parse_library(common["library"]).name
-    if library == "unknown" and common["library"]:
-        library = common["library"].splitlines()[0]
-    if common["library_path"]:
-        library += f" ({common['library_path']})"
-    skip = common["skip_variable"]
+    report = first.report
+    wrap = _launcher.wrap
+    versions = ", ".join(f"{k} {v}" for k, v in facts.versions.items())
+    library = _launcher.parse_library(facts.library).name
+    if library == "unknown" and facts.library:
+        library = facts.library.splitlines()[0]
+    if facts.library_path:
+        library += f" ({facts.library_path})"
+    skip = facts.skip_variable
+    skip_name = _settings.SKIP_LAUNCHER_CHECK.name
     lines = [
         "jaxddp doctor",
         f"  versions:     {versions}",
-        f"  python:       {common['python']}",
+        f"  python:       {facts.python}",
         f"  MPI library:  {library}",
-        *_launcher.wrap(f"mpi4jax:      {first['mpi4jax']['detail']}", "  ", " " * 16),
-        f"  {_launcher.SKIP_VARIABLE}: {skip if skip is not None else 'not set'}",
+        *wrap(f"mpi4jax:      {first.mpi4jax.detail}", "  ", " " * 16),
+        f"  {skip_name}: {skip if skip is not None else 'not set'}",
         "",
-        "launcher (rank 0):" if first["mpi"] else "launcher:",
-        *_table(_summary(report), "  "),
-        *_launcher.wrap(report["reason"], "  ", "  "),
+        "launcher (rank 0):" if first.mpi else "launcher:",
+        *report.lines("  "),
     ]
-    for w in first["warnings"]:
+    for w in first.warnings:
         lines += ["", "warning:", *(f"  {line}" for line in w.splitlines())]
-    if first["mpi"]:
-        lines += ["", f"ranks (an MPI world of {first['mpi']['size']}):"]
+    if first.mpi:
+        lines += ["", f"ranks (an MPI world of {first.mpi.size}):"]
         for r in rows:
-            m = r["mpi"]
+            m = r.mpi
+            if m is None:  # never: every gathered rank started MPI
+                continue
             lines.append(
-                f"  rank {m['rank']}: launcher rank {_or_dash(r['report']['rank'])}, "
-                f"host {m['host']}, "
-                f"pid {m['pid']}, local rank {m['local_rank']}, verdict {r['report']['verdict']}"
+                f"  rank {m.rank}: launcher rank {_or_dash(r.report.rank)}, host {m.host}, "
+                f"pid {m.pid}, local rank {m.local_rank}, verdict {r.report.verdict}"
             )
-            if _differs(r["report"], report):
-                lines += _table(_summary(r["report"]), "    ")
-    if skip and report["verdict"] == "mismatch" and not first["mpi"]:
-        lines += _launcher.wrap(
-            f"{_launcher.SKIP_VARIABLE}={skip} is set, so `import jaxddp` does not refuse; the "
+            if _differs(r.report, report):
+                lines += _launcher.table_lines(r.report.rows(), "    ")
+    if skip and report.verdict is Verdict.MISMATCH and not first.mpi:
+        lines += wrap(
+            f"{skip_name}={skip} is set, so `import jaxddp` does not refuse; the "
             "doctor still does not start MPI on a mismatch (it would abort or start singletons).",
             "  ",
             "  ",
         )
-    if report["fixes"]:
-        lines.append("  How to fix it:")
-        for fix in report["fixes"]:
-            lines += _launcher.wrap(fix, "  - ", "    ")
-    shown = [p for p in problems if p != _message(report)]
+    lines += _launcher.fix_lines(report.fixes)
+    shown = [p for p in problems if p != report.message()]
     if shown:
         lines += ["", "problems:"]
         for problem in shown:
             for line in problem.splitlines():
-                lines += _launcher.wrap(line, "  ", "    ") if len(line) > 98 else [f"  {line}"]
+                lines += wrap(line, "  ", "    ") if len(line) > 98 else [f"  {line}"]
     lines += ["", f"verdict: {verdict} (exit code {code})"]
     return "\n".join(lines)
-
-
-def _as_report(report: dict[str, Any]) -> _launcher.LauncherReport:
-    fields = {k: report[k] for k in report if k in _launcher.LauncherReport.__dataclass_fields__}
-    fields["fixes"] = tuple(fields["fixes"])
-    fields["evidence"] = tuple(fields["evidence"])
-    return _launcher.LauncherReport(**fields)
-
-
-def _table(text: str, indent: str) -> list[str]:
-    lines: list[str] = []
-    for row in text.splitlines():
-        lines += _launcher.wrap(row, indent, indent + " " * 13)
-    return lines
-
-
-def _summary(report: dict[str, Any]) -> str:
-    return _as_report(report).summary()
-
-
-def _message(report: dict[str, Any]) -> str:
-    return _as_report(report).message()
 
 
 def _or_dash(value: object) -> str:
     return "-" if value is None else str(value)
 
 
-def _differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def _differs(a: LauncherReport, b: LauncherReport) -> bool:
     keys = ("launcher", "pmi", "library", "library_version", "world_size", "verdict")
-    return any(a[k] != b[k] for k in keys)
+    return any(getattr(a, k) != getattr(b, k) for k in keys)

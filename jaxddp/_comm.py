@@ -1,115 +1,48 @@
-"""MPI start-up after the launcher guard, the world's shape, and pytree collectives.
+"""The pytree collectives: allreduce, broadcast and reduce, inside and outside ``jax.jit``.
 
-Nothing here touches MPI at import time. MPI is loaded (without being initialized) by
-:func:`mpi`, and initialized once by :func:`init`, which every function that needs the world
-calls first. mpi4jax is imported only after that, because importing it initializes MPI.
+The world itself (start-up, rank and size, the private communicators) lives in
+:mod:`jaxddp._world`; its functions are re-exported here so that call sites keep working.
+mpi4jax is imported only through :func:`mpi4jax`, after MPI has been initialized.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-import sys
-import threading
-from types import ModuleType
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _host, _launcher, _primitive
+from . import _host, _primitive
 from ._buckets import plan, wire_dtype
+from ._world import (
+    init,
+    jax_comm,
+    local_rank,
+    mpi,
+    mpi4jax,
+    private_comms,
+    py_comm,
+    rank,
+    world_size,
+)
 
-__all__ = ["allreduce", "broadcast", "init", "local_rank", "mpi", "rank", "reduce", "world_size"]
+__all__ = [
+    "allreduce",
+    "broadcast",
+    "init",
+    "jax_comm",
+    "local_rank",
+    "mpi",
+    "mpi4jax",
+    "py_comm",
+    "rank",
+    "reduce",
+    "world_size",
+]
 
 _OPS = ("sum", "mean", "max", "min")
-
-_lock = threading.RLock()
-_world: _World | None = None
-
-
-class _World:
-    """What :func:`init` learned about the MPI world, computed once."""
-
-    def __init__(self, MPI: ModuleType) -> None:
-        world = MPI.COMM_WORLD
-        self.rank: int = world.Get_rank()
-        self.size: int = world.Get_size()
-        node = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank: int = node.Get_rank()
-        self.local_size: int = node.Get_size()
-        node.Free()
-        # Two private communicators: one for mpi4py calls made from Python, one for mpi4jax
-        # calls made from compiled code. Sharing one between the two can mix up messages.
-        self.py_comm = world.Clone()
-        self.jax_comm = world.Clone()
-
-
-def mpi() -> ModuleType:
-    """Returns ``mpi4py.MPI``, loaded without initializing MPI if it was not loaded yet."""
-    if "mpi4py.MPI" not in sys.modules:
-        import mpi4py
-
-        mpi4py.rc.initialize = False
-        mpi4py.rc.finalize = True  # finalize at exit, since we initialize
-    from mpi4py import MPI
-
-    return MPI
-
-
-def init() -> _World:
-    """Initializes MPI once (after the launcher guard) and returns what it learned.
-
-    Safe to call many times. Every rank must reach it, as every rank must reach ``MPI_Init``.
-    """
-    global _world
-    if _world is not None:
-        return _world
-    with _lock:
-        if _world is None:
-            MPI = mpi()
-            if not MPI.Is_initialized():
-                _launcher.guard(MPI)
-                MPI.Init_thread(MPI.THREAD_MULTIPLE)
-            world = _World(MPI)
-            _launcher.check_world_size(world.size)
-            _world = world
-            _install_abort_on_error(world)
-    return _world
-
-
-def rank() -> int:
-    """This process's rank in the MPI world (0 without a launcher)."""
-    return init().rank
-
-
-def world_size() -> int:
-    """The number of ranks in the MPI world (1 without a launcher)."""
-    return init().size
-
-
-def local_rank() -> int:
-    """This process's rank among the ranks on the same node (useful to pick a GPU)."""
-    return init().local_rank
-
-
-def py_comm() -> Any:
-    """jaxddp's private communicator for mpi4py calls made from Python."""
-    return init().py_comm
-
-
-def jax_comm() -> Any:
-    """jaxddp's private communicator for mpi4jax calls made from compiled code."""
-    return init().jax_comm
-
-
-def mpi4jax() -> ModuleType:
-    """Imports mpi4jax, after MPI has been initialized by :func:`init`."""
-    init()
-    import mpi4jax as m
-
-    return m
 
 
 @functools.cache
@@ -173,22 +106,18 @@ def _fused(leaves: list[jax.Array], collective: Any, *, arithmetic: bool) -> lis
     return [_from_wire(x, like, arithmetic) for x, like in zip(out, leaves, strict=True)]
 
 
-# A user's communicator -> (it, a private duplicate for compiled code, one for host calls).
-# jaxddp never communicates on the user's communicator itself: a collective of a step still
-# running on the runtime's thread and one made from Python must never share a communicator.
-_private: dict[int, tuple[Any, Any, Any]] = {}
-
-
 def _channels(comm: Any) -> tuple[int, int, Any, Any]:
-    """(rank, size, communicator for compiled code, communicator for host calls)."""
+    """(rank, size, communicator for compiled code, communicator for host calls).
+
+    jaxddp never communicates on a user's communicator itself, only on private duplicates
+    of it: a collective of a step still running on the runtime's thread and one made from
+    Python must never share a communicator, nor with the user's own calls.
+    """
     world = init()
     if comm is None:
         return world.rank, world.size, world.jax_comm, world.py_comm
-    entry = _private.get(id(comm))
-    if entry is None:
-        with _lock:
-            entry = _private.setdefault(id(comm), (comm, comm.Dup(), comm.Dup()))
-    return comm.Get_rank(), comm.Get_size(), entry[1], entry[2]
+    host, compiled = private_comms(comm)
+    return comm.Get_rank(), comm.Get_size(), compiled, host
 
 
 _LOW_FLOATS = frozenset(
@@ -369,26 +298,3 @@ def reduce(tree: Any, op: str, root: int = 0, *, comm: Any = None) -> Any:
         return _mean(x, size) if _is_number_or_array(x) else x
 
     return jax.tree_util.tree_map(mean, out)
-
-
-def _install_abort_on_error(world: _World) -> None:
-    """Makes an uncaught exception on one rank end the whole job instead of hanging it.
-
-    Without this, the other ranks wait forever in their next collective. The rank's
-    traceback is printed first; ``JAXDDP_ABORT_ON_ERROR=0`` leaves ``sys.excepthook`` alone.
-    """
-    if world.size == 1 or os.environ.get("JAXDDP_ABORT_ON_ERROR", "1") == "0":
-        return
-    previous = sys.excepthook
-
-    def abort_on_error(exc_type: Any, exc: Any, tb: Any) -> None:
-        previous(exc_type, exc, tb)
-        sys.stderr.write(
-            f"jaxddp: rank {world.rank} of {world.size} raised an uncaught exception; "
-            "aborting every rank with MPI_Abort so that none waits forever "
-            "(set JAXDDP_ABORT_ON_ERROR=0 to turn this off).\n"
-        )
-        sys.stderr.flush()
-        mpi().COMM_WORLD.Abort(1)
-
-    sys.excepthook = abort_on_error

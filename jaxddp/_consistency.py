@@ -1,27 +1,37 @@
-"""Do all ranks hold trees of the same shape? An error in seconds instead of a deadlock.
+"""Do all ranks agree? An error in seconds instead of a deadlock.
 
 Ranks that pass trees of different structure, shapes or dtypes to a collective call
 different MPI operations and wait for each other forever. :func:`check_same_tree` compares
 a digest of every rank's tree (paths, shapes, dtypes: never values) and, on a difference,
 raises :class:`TreeMismatchError` on every rank naming the first differing path.
+
+Every such check (the tree check, :func:`synchronize`, the sampler's argument check) goes
+through :func:`gather_with_deadline`: a rank that never arrives makes the others raise within
+``JAXDDP_CHECK_TIMEOUT`` seconds instead of waiting forever.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
+import pickle
 import time
 from typing import Any
 
 import jax
 import numpy as np
 
-from . import _comm
+from . import _comm, _settings, _world
 
-__all__ = ["TreeMismatchError", "check_same_tree", "describe_tree", "synchronize"]
+__all__ = [
+    "TreeMismatchError",
+    "check_same_tree",
+    "check_sampler_arguments",
+    "describe_tree",
+    "gather_with_deadline",
+    "synchronize",
+]
 
-TIMEOUT_VARIABLE = "JAXDDP_CHECK_TIMEOUT"
-DEFAULT_TIMEOUT = 60.0
+TIMEOUT_VARIABLE = _settings.CHECK_TIMEOUT.name
 
 
 class TreeMismatchError(RuntimeError):
@@ -83,8 +93,15 @@ def _explain(descriptions: list[list[tuple[str, str]]], what: str) -> str:
     )
 
 
-def _allgather_with_deadline(comm: Any, mine: bytes, timeout: float, what: str) -> list[bytes]:
-    """Allgathers a fixed-size byte string; raises if the others do not come in time."""
+# Requests given up on at their deadline, kept with their buffers: MPI may still write into
+# them if the missing ranks arrive later, so they must never be freed.
+_abandoned: list[Any] = []
+
+
+def _allgather_with_deadline(
+    comm: Any, mine: bytes, timeout: float, what: str, error: type[Exception]
+) -> list[bytes]:
+    """Allgathers a fixed-size byte string; raises ``error`` if the others do not come in time."""
     size = comm.Get_size()
     send = np.frombuffer(mine, dtype=np.uint8)
     recv = np.empty(size * send.size, dtype=np.uint8)
@@ -93,22 +110,58 @@ def _allgather_with_deadline(comm: Any, mine: bytes, timeout: float, what: str) 
     pause = 1e-5
     while not request.Test():
         if time.monotonic() > deadline:
+            _abandoned.append((request, send, recv))
             msg = (
                 f"Rank {comm.Get_rank()} waited {timeout:g} s in jaxddp's check of the {what} "
                 "and not every rank arrived: some rank is running different code (another "
                 "branch, a loop that ended early, a step compiled again on some ranks only). "
                 f"Raise the wait with {TIMEOUT_VARIABLE}=<seconds> if the ranks are just slow."
             )
-            raise TreeMismatchError(msg)
+            raise error(msg)
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
     return [bytes(chunk) for chunk in recv.reshape(size, send.size)]
 
 
-def check_same_tree(tree: Any, *, what: str = "tree", timeout: float | None = None) -> None:
+def gather_with_deadline(
+    comm: Any,
+    mine: Any,
+    *,
+    what: str,
+    timeout: float | None = None,
+    error: type[Exception] = TreeMismatchError,
+) -> list[Any]:
+    """Every rank's ``mine`` (any picklable value), in rank order; a collective over ``comm``.
+
+    First every rank's digest of ``mine`` travels with a deadline (``timeout`` seconds,
+    ``JAXDDP_CHECK_TIMEOUT`` by default): a rank that does not arrive in time makes the
+    others raise ``error``, naming the check (``what``). When the digests agree that is all,
+    and ``mine`` is returned for every rank; otherwise, every rank being there, the values
+    themselves are gathered.
+
+    Example:
+      >>> from jaxddp import _comm
+      >>> gather_with_deadline(_comm.py_comm(), ("n", 7), what="example")
+      [('n', 7)]
+    """
+    if timeout is None:
+        timeout = _settings.check_timeout()
+    if comm.Get_size() == 1:
+        return [mine]
+    digest = hashlib.sha256(pickle.dumps(mine)).digest()
+    digests = _allgather_with_deadline(comm, digest, timeout, what, error)
+    if len(set(digests)) == 1:
+        return [mine] * len(digests)
+    return comm.allgather(mine)
+
+
+def check_same_tree(
+    tree: Any, *, what: str = "tree", timeout: float | None = None, comm: Any = None
+) -> None:
     """Raises :class:`TreeMismatchError` on every rank unless all ranks' trees match.
 
-    A collective over jaxddp's private communicator: every rank must call it. It compares
+    A collective over ``comm`` (jaxddp's private communicator by default): every rank of it
+    must call it. On a user's communicator it runs on a private duplicate of it. It compares
     paths, shapes and dtypes, never values, so it works on tracers at trace time inside
     ``jax.jit`` and costs one small allgather.
 
@@ -116,25 +169,87 @@ def check_same_tree(tree: Any, *, what: str = "tree", timeout: float | None = No
       >>> import jax.numpy as jnp
       >>> check_same_tree({"w": jnp.zeros(3)})  # passes on a world of one
     """
-    if _comm.world_size() == 1:
+    private = _world.check_comm(comm)
+    if private.Get_size() == 1:
         return
-    if timeout is None:
-        timeout = float(os.environ.get(TIMEOUT_VARIABLE, DEFAULT_TIMEOUT))
-    comm = _comm.py_comm()
-    description = describe_tree(tree)
-    digest = hashlib.sha256(repr(description).encode()).digest()
-    digests = _allgather_with_deadline(comm, digest, timeout, what)
-    if len(set(digests)) == 1:
+    descriptions = gather_with_deadline(
+        private, describe_tree(tree), what=what, timeout=timeout, error=TreeMismatchError
+    )
+    if all(d == descriptions[0] for d in descriptions):
         return
-    raise TreeMismatchError(_explain(comm.allgather(description), what))
+    raise TreeMismatchError(_explain(descriptions, what))
 
 
-def synchronize(tree: Any, root: int = 0) -> Any:
+def check_sampler_arguments(
+    mine: tuple[int, int, int, bool, bool, int] | None, problem: Exception | None, comm: Any
+) -> None:
+    """Checks once, collectively, that every rank built its sampler from the same arguments.
+
+    ``mine`` is this rank's ``(N, num_replicas, seed, shuffle, drop_last, rank)``, ``None``
+    when its arguments raised ``problem``. Every rank of ``comm`` (the world when ``None``)
+    must call this. Raises ValueError on every rank when a rank's arguments were invalid or
+    differ from the others', and TimeoutError when some rank does not arrive within
+    ``JAXDDP_CHECK_TIMEOUT`` seconds.
+    """
+    private = _world.check_comm(comm)
+    size = private.Get_size()
+    if size == 1:
+        return
+    sent: Any = mine if problem is None else f"{type(problem).__name__}: {problem}"
+    everyone = gather_with_deadline(
+        private, sent, what="arguments of `DistributedSampler`", error=TimeoutError
+    )
+    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, str)}
+    if failed:
+        if problem is not None:
+            return  # this rank raises its own error
+        details = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
+        msg = (
+            f"Expected every rank to build `DistributedSampler` from valid arguments, got "
+            f"errors on {len(failed)} of {size} ranks instead ({details})."
+        )
+        raise ValueError(msg)
+    names = ("`data` size", "`num_replicas`", "`seed`", "`shuffle`", "`drop_last`")
+    differing = []
+    for i, name in enumerate(names):
+        values = [v[i] for v in everyone]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            differing.append(f"{name} ({per_rank})")
+    if differing:
+        msg = (
+            "Expected every rank to pass the same `data` size, `num_replicas`, `seed`, "
+            "`shuffle` and `drop_last` to `DistributedSampler`, got different values instead: "
+            f"{'; '.join(differing)}. Pass the same values on every rank; otherwise samples "
+            "are silently duplicated and skipped."
+        )
+        raise ValueError(msg)
+    ranks = [v[5] for v in everyone]
+    unread = sorted(set(range(everyone[0][1])) - set(ranks))
+    if unread:
+        per_rank = ", ".join(f"MPI rank {r}: {v}" for r, v in enumerate(ranks))
+        msg = (
+            f"Expected the ranks to take every shard of `num_replicas={everyone[0][1]}`, got "
+            f"`rank` values that leave shards {unread} to no rank instead ({per_rank}): those "
+            "samples would silently never be seen. Leave `num_replicas` and `rank` to their "
+            "defaults, or pass both explicitly."
+        )
+        raise ValueError(msg)
+
+
+def synchronize(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
     """Checks that every rank holds a tree of the same shape, then gives all ``root``'s values.
 
     Use it once before training, on the parameters and the optimizer state, so every rank
     starts from the same point. Leaves that are not arrays or numbers are returned
-    unchanged. Raises :class:`TreeMismatchError` on every rank if the trees differ.
+    unchanged. Raises :class:`TreeMismatchError` on every rank if the trees differ, or if
+    some rank does not arrive within ``JAXDDP_CHECK_TIMEOUT`` seconds.
+
+    Args:
+      tree: a pytree; every rank of ``comm`` must pass one of the same structure.
+      root: the rank of ``comm`` whose values everyone gets.
+      comm: an mpi4py communicator; by default the whole world. Only its ranks take part,
+        and ``root`` is a rank of it.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxddp
@@ -144,5 +259,5 @@ def synchronize(tree: Any, root: int = 0) -> Any:
       >>> params["w"].shape
       (2, 2)
     """
-    check_same_tree(tree, what="tree passed to synchronize")
-    return _comm.broadcast(tree, root)
+    check_same_tree(tree, what="tree passed to synchronize", comm=comm)
+    return _comm.broadcast(tree, root, comm=comm)

@@ -8,19 +8,18 @@ operations and hang. :func:`allreduce_gradients` fills each missing leaf with
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from . import _comm
+from . import _comm, _settings
 from ._consistency import check_same_tree
 
 __all__ = ["allreduce_gradients", "resolve_unused_parameters"]
 
-CHECK_VARIABLE = "JAXDDP_CHECK"
+CHECK_VARIABLE = _settings.CHECK.name
 
 
 def _is_missing(leaf: Any) -> bool:
@@ -103,11 +102,13 @@ def allreduce_gradients(
       op: ``"mean"`` (the sum divided by the world size, the data-parallel gradient) or
         ``"sum"``; ``"max"`` and ``"min"`` are accepted too.
       comm: an mpi4py communicator to reduce over; by default jaxddp's private clone of
-        ``COMM_WORLD``. Do not use the same communicator for mpi4py calls.
+        ``COMM_WORLD``. Do not use the same communicator for mpi4py calls. The check, too,
+        runs over its ranks only (on a private duplicate of it).
       check: compare the ranks' gradient trees (paths, shapes, dtypes) before reducing and
         raise :class:`jaxddp.TreeMismatchError` on every rank if they differ, instead of
         hanging. The check runs when the update is traced, so a jitted step pays for it
-        once. Defaults to the environment variable ``JAXDDP_CHECK=1``.
+        once. Defaults to the environment variable ``JAXDDP_CHECK`` (off unless set to
+        ``1``, ``true``, ``yes`` or ``on``).
 
     Returns:
       An ``optax.GradientTransformation`` with an empty state.
@@ -124,7 +125,7 @@ def allreduce_gradients(
     """
     _comm.check_op(op)
     if check is None:
-        check = os.environ.get(CHECK_VARIABLE, "0") == "1"
+        check = _settings.check_trees()
     elif not isinstance(check, bool):
         msg = f"Expected `check` to be True, False or None, got {check!r} instead."
         raise TypeError(msg)
@@ -144,7 +145,7 @@ def allreduce_gradients(
             )
             raise ValueError(msg)
         if check:
-            check_same_tree(updates, what="gradient tree")
+            check_same_tree(updates, what="gradient tree", comm=comm)
         return _comm.allreduce(updates, op, comm=comm), state
 
     return optax.GradientTransformation(init_fn, update_fn)

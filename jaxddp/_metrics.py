@@ -14,7 +14,7 @@ from ._comm import host_allreduce as _host_allreduce
 __all__ = ["masked_mean"]
 
 
-def masked_mean(values: Any, mask: Any) -> jax.Array:
+def masked_mean(values: Any, mask: Any, *, comm: Any = None) -> jax.Array:
     """The mean over every rank's entries where ``mask`` is True; usable inside ``jax.jit``.
 
     The masked sum and the count are each summed over all ranks with
@@ -27,6 +27,8 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
         ``(batch,)`` or per-sample vectors of shape ``(batch, k)``.
       mask: a boolean array whose shape is the leading part of ``values.shape`` (usually
         ``(batch,)``). It is broadcast over the trailing axes of ``values``.
+      comm: an mpi4py communicator whose ranks' entries are averaged; by default the whole
+        world. Every rank of it must call.
 
     Returns:
       An array of shape ``values.shape[mask.ndim:]``, identical on every rank: the mean over
@@ -41,7 +43,7 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
       2.0
     """
     if _is_concrete(values) and _is_concrete(mask):
-        return _host_masked_mean(np.asarray(values), np.asarray(mask))
+        return _host_masked_mean(np.asarray(values), np.asarray(mask), comm)
     values = jnp.asarray(values)
     mask = jnp.asarray(mask)
     _check(values, mask)
@@ -50,7 +52,7 @@ def masked_mean(values: Any, mask: Any) -> jax.Array:
     axes = tuple(range(mask.ndim))
     total = jnp.sum(jnp.where(where, values.astype(dtype), jnp.zeros((), dtype)), axis=axes)
     count = jnp.sum(mask, dtype=jnp.int32)
-    reduced = allreduce({"total": total, "count": count}, op="sum")
+    reduced = allreduce({"total": total, "count": count}, op="sum", comm=comm)
     return reduced["total"] / reduced["count"].astype(dtype)
 
 
@@ -69,7 +71,7 @@ def _check(values: Any, mask: Any) -> None:
         raise ValueError(msg)
 
 
-def _host_masked_mean(values: np.ndarray, mask: np.ndarray) -> Any:
+def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
     """The same mean on concrete values, in NumPy: the masked sums (accumulated in double
     precision) and the count travel in one buffer, one MPI call."""
     _check(values, mask)
@@ -81,7 +83,7 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray) -> Any:
     buffer = np.empty(total.size + 1, wide)
     buffer[:-1] = total.ravel()
     buffer[-1] = np.count_nonzero(mask)
-    (buffer,) = _host_allreduce([buffer])
+    (buffer,) = _host_allreduce([buffer], comm)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean = buffer[:-1] / buffer[-1]
     return mean.reshape(total.shape).astype(dtype)

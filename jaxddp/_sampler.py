@@ -13,149 +13,24 @@ arguments.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
+
+from ._shards import IndexArray, MaskArray
+from ._shards import boolean as _boolean
+from ._shards import data_size as _data_size
+from ._shards import integer as _integer
+from ._shards import per_rank as _per_rank
+from ._shards import same_setting as _same_setting
+from ._shards import shard as _shard
 
 __all__ = ["DistributedSampler"]
-
-IndexArray = npt.NDArray[np.int64]
-MaskArray = npt.NDArray[np.bool_]
 
 # Keys of a state dict besides "epoch" and "position": a state only fits a sampler that
 # agrees on all of them.
 _STATE_CONFIG = ("data_size", "num_replicas", "seed", "shuffle", "drop_last")
-
-
-def _integer(name: str, value: Any, *, minimum: int) -> int:
-    """``value`` as a Python int, or a TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool | np.bool_):
-        msg = f"Expected `{name}` to be an integer, got the boolean {value!r} instead."
-        raise TypeError(msg)
-    try:
-        number = operator.index(value)
-    except TypeError:
-        msg = (
-            f"Expected `{name}` to be an integer, got {value!r} of type "
-            f"{type(value).__name__} instead."
-        )
-        raise TypeError(msg) from None
-    if number < minimum:
-        kind = {0: "a non-negative integer", 1: "a positive integer"}[minimum]
-        msg = f"Expected `{name}` to be {kind}, got {number} instead."
-        raise ValueError(msg)
-    return number
-
-
-def _boolean(name: str, value: Any) -> bool:
-    if not isinstance(value, bool | np.bool_):
-        msg = f"Expected `{name}` to be True or False, got {value!r} instead."
-        raise TypeError(msg)
-    return bool(value)
-
-
-def _same_setting(value: Any, expected: bool | int) -> bool:
-    """Whether a state's setting equals this sampler's, whatever scalar type stored it."""
-    try:
-        array = np.asarray(value)
-    except (TypeError, ValueError):  # what numpy cannot read is simply not equal
-        return False
-    if array.ndim != 0:
-        return False
-    if isinstance(expected, bool):
-        return array.dtype == np.bool_ and bool(array) == expected
-    return array.dtype.kind in "iu" and int(array) == expected
-
-
-def _data_size(data: Any) -> int:
-    """N from ``data``: an int, or anything with ``len()``."""
-    if isinstance(data, bool | np.bool_ | str | bytes):
-        kind = "boolean" if isinstance(data, bool | np.bool_) else "string"
-        msg = (
-            "Expected `data` to be the number of samples (an int) or an object with `len()`, "
-            f"got the {kind} {data!r} instead."
-        )
-        raise TypeError(msg)
-    try:
-        n = operator.index(data)
-    except TypeError:
-        try:
-            n = len(data)
-        except TypeError:
-            msg = (
-                "Expected `data` to be the number of samples (an int) or an object with "
-                f"`len()`, got {data!r} of type {type(data).__name__} instead."
-            )
-            raise TypeError(msg) from None
-        if n < 1:
-            msg = (
-                f"Expected `data` to hold at least one sample, got an empty "
-                f"{type(data).__name__} instead."
-            )
-            raise ValueError(msg) from None
-        return n
-    if n < 1:
-        msg = f"Expected `data` to be a positive number of samples, got {n} instead."
-        raise ValueError(msg)
-    return n
-
-
-def _per_rank(n: int, num_replicas: int, drop_last: bool) -> int:
-    """The number of samples each rank gets: ``ceil(N / W)``, or ``floor`` with drop_last."""
-    return n // num_replicas if drop_last else -(-n // num_replicas)
-
-
-def _order_block(
-    n: int, start: int, stop: int, *, seed: int, epoch: int, shuffle: bool
-) -> IndexArray:
-    """Entries ``[start, stop)`` of the epoch's order extended by wrapping around.
-
-    Only this block is kept: the full permutation (when shuffling) is a temporary.
-    """
-    if not shuffle:
-        block = np.arange(start, stop, dtype=np.int64)
-        if stop > n:
-            block[max(n - start, 0) :] %= n  # only the wrapped tail
-        return block
-    order = np.random.default_rng([seed, epoch]).permutation(n).astype(np.int64, copy=False)
-    if start == 0 and stop == n:
-        return order
-    if stop <= n:
-        return order[start:stop].copy()  # a copy, so that the permutation can be freed
-    if start >= n:  # only when N < num_replicas: a block of one entry
-        return order[np.arange(start, stop, dtype=np.int64) % n]
-    # the block's own part, then the wrapped padding (fewer than num_replicas entries)
-    return np.concatenate([order[start:], order[np.arange(stop - n, dtype=np.int64) % n]])
-
-
-def _shard(
-    n: int,
-    num_replicas: int,
-    rank: int,
-    *,
-    seed: int,
-    epoch: int,
-    shuffle: bool,
-    drop_last: bool,
-) -> tuple[IndexArray, MaskArray]:
-    """One rank's indices and mask for one epoch; a pure function of its arguments.
-
-    The order is ``range(N)`` or ``default_rng([seed, epoch]).permutation(N)``. Without
-    ``drop_last`` it is extended to ``s * W`` entries by wrapping around (``order +
-    order[:pad]``, repeating when ``pad > N``) with ``s = ceil(N / W)``, and rank ``r`` takes
-    entries ``[r*s, (r+1)*s)``; the mask is False at the extended positions ``>= N``. With
-    ``drop_last`` each rank takes ``floor(N / W)`` entries and the tail is dropped.
-    """
-    s = _per_rank(n, num_replicas, drop_last)
-    start, stop = rank * s, (rank + 1) * s
-    indices = _order_block(n, start, stop, seed=seed, epoch=epoch, shuffle=shuffle)
-    mask = np.ones(s, dtype=np.bool_)
-    if not drop_last and stop > n:
-        mask[max(n - start, 0) :] = False
-    return indices, mask
 
 
 class DistributedSampler:
@@ -172,11 +47,14 @@ class DistributedSampler:
     With ``drop_last=True`` every rank takes ``floor(N / num_replicas)`` samples instead and
     the tail of the order is dropped (the mask is all True).
 
-    When ``num_replicas`` or ``rank`` is taken from the MPI world, the constructor is a
-    collective: every rank must construct its sampler, and it checks once that every rank
-    passed the same N, ``seed``, ``shuffle`` and ``drop_last`` (otherwise samples would
-    silently be duplicated and skipped), raising ValueError on every rank if not. With both
-    given explicitly, the sampler is a pure computation that never touches MPI.
+    When ``comm`` is given, or ``num_replicas`` or ``rank`` is taken from the MPI world, the
+    constructor is a collective over ``comm`` (the world by default): every rank of it must
+    construct its sampler, and it checks once that every rank passed the same N, ``seed``,
+    ``shuffle`` and ``drop_last`` (otherwise samples would silently be duplicated and
+    skipped), raising ValueError on every rank if not. A rank that never constructs its
+    sampler makes the others raise TimeoutError after ``JAXDDP_CHECK_TIMEOUT`` seconds
+    instead of waiting forever. With ``num_replicas`` and ``rank`` given explicitly and no
+    ``comm``, the sampler is a pure computation that never touches MPI.
 
     Iterating over the sampler, or over :meth:`batches`, is a *pass* over the epoch. A pass
     advances the position (this rank's samples of the epoch handed out so far) as it yields,
@@ -187,12 +65,14 @@ class DistributedSampler:
 
     Args:
       data: the number of samples N (an int), or any object with ``len()``.
-      num_replicas: the number of ranks to shard over; by default the MPI world's size.
-      rank: this process's shard, in ``[0, num_replicas)``; by default its MPI rank.
+      num_replicas: the number of ranks to shard over; by default the size of ``comm``.
+      rank: this process's shard, in ``[0, num_replicas)``; by default its rank in ``comm``.
       shuffle: whether each epoch's order is a seeded permutation instead of ``range(N)``.
       seed: a non-negative integer; pass the same on every rank.
       drop_last: whether to drop the tail of the order instead of padding it. Requires
         ``N >= num_replicas``, since otherwise every rank would get nothing.
+      comm: an mpi4py communicator whose ranks share the data; by default the MPI world.
+        The argument check runs over its ranks only, on a private duplicate of it.
 
     Example:
       >>> import jaxddp
@@ -216,14 +96,16 @@ class DistributedSampler:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
+        comm: Any = None,
     ) -> None:
-        from_world = num_replicas is None or rank is None
-        if from_world:
-            from . import _comm
+        collective = comm is not None or num_replicas is None or rank is None
+        if collective:
+            from . import _world
 
-            world = _comm.init()
-            num_replicas = world.size if num_replicas is None else num_replicas
-            rank = world.rank if rank is None else rank
+            _world.init()
+            group = _world.py_comm() if comm is None else comm
+            num_replicas = group.Get_size() if num_replicas is None else num_replicas
+            rank = group.Get_rank() if rank is None else rank
         # Every rank validates first, and when the world is involved every rank then takes
         # part in the consistency check even if its own arguments were bad: an error raised
         # on some ranks only would leave the others waiting in that collective forever.
@@ -250,8 +132,14 @@ class DistributedSampler:
                 raise ValueError(msg)
         except (TypeError, ValueError) as exc:
             problem = exc
-        if from_world:
-            _check_consistency(self, problem)
+        if collective:
+            from ._consistency import check_sampler_arguments
+
+            mine = None
+            if problem is None:
+                mine = (self._n, self._num_replicas, self._seed, self._shuffle, self._drop_last)
+                mine += (self._rank,)
+            check_sampler_arguments(mine, problem, comm)
         if problem is not None:
             raise problem
         self._s = _per_rank(self._n, self._num_replicas, self._drop_last)
@@ -495,64 +383,3 @@ class DistributedSampler:
             f"rank={self._rank}, shuffle={self._shuffle}, seed={self._seed}, "
             f"drop_last={self._drop_last})"
         )
-
-
-def _check_consistency(sampler: DistributedSampler, problem: Exception | None) -> None:
-    """Checks once, collectively, that every rank built its sampler from the same arguments.
-
-    Every rank of the world must call this. Raises ValueError on every rank when a rank's
-    arguments were invalid or differ from the others'.
-    """
-    from . import _comm
-
-    world = _comm.init()
-    if world.size == 1:
-        return
-    if problem is None:
-        mine: Any = (
-            sampler._n,
-            sampler._num_replicas,
-            sampler._seed,
-            sampler._shuffle,
-            sampler._drop_last,
-            sampler._rank,
-        )
-    else:
-        mine = f"{type(problem).__name__}: {problem}"
-    everyone = _comm.py_comm().allgather(mine)
-    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, str)}
-    if failed:
-        if problem is not None:
-            return  # this rank raises its own error
-        details = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
-        msg = (
-            f"Expected every rank to build `DistributedSampler` from valid arguments, got "
-            f"errors on {len(failed)} of {world.size} ranks instead ({details})."
-        )
-        raise ValueError(msg)
-    names = ("`data` size", "`num_replicas`", "`seed`", "`shuffle`", "`drop_last`")
-    differing = []
-    for i, name in enumerate(names):
-        values = [v[i] for v in everyone]
-        if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            differing.append(f"{name} ({per_rank})")
-    if differing:
-        msg = (
-            "Expected every rank to pass the same `data` size, `num_replicas`, `seed`, "
-            "`shuffle` and `drop_last` to `DistributedSampler`, got different values instead: "
-            f"{'; '.join(differing)}. Pass the same values on every rank; otherwise samples "
-            "are silently duplicated and skipped."
-        )
-        raise ValueError(msg)
-    ranks = [v[5] for v in everyone]
-    unread = sorted(set(range(everyone[0][1])) - set(ranks))
-    if unread:
-        per_rank = ", ".join(f"MPI rank {r}: {v}" for r, v in enumerate(ranks))
-        msg = (
-            f"Expected the ranks to take every shard of `num_replicas={everyone[0][1]}`, got "
-            f"`rank` values that leave shards {unread} to no rank instead ({per_rank}): those "
-            "samples would silently never be seen. Leave `num_replicas` and `rank` to their "
-            "defaults, or pass both explicitly."
-        )
-        raise ValueError(msg)

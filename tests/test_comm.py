@@ -24,11 +24,3 @@ def test_allreduce_of_one_rank_keeps_values(op):
 def test_allreduce_rejects_unknown_op():
     with pytest.raises(ValueError, match=r"`op`.*'prod'"):
         jaxddp.allreduce({"a": jnp.ones(2)}, op="prod")
-
-
-def test_import_does_not_initialize_mpi():
-    import subprocess
-    import sys
-
-    code = "import jaxddp, sys; from mpi4py import MPI; sys.exit(1 if MPI.Is_initialized() else 0)"
-    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -35,3 +35,17 @@ def test_a_rank_missing_from_the_check_is_an_error_not_a_hang():
     assert result.elapsed < 30, result.report()
     assert "TreeMismatchError" in result.rank_logs["0"]
     assert "not every rank arrived" in result.rank_logs["0"]
+
+
+def test_a_rank_that_never_builds_its_sampler_is_an_error_within_the_deadline():
+    env = dict(os.environ, JAXDDP_CHECK_TIMEOUT="3")
+    result = launch([str(SCRIPTS / "sampler_timeout.py")], 2, timeout=60, env=env)
+    assert not result.timed_out, result.report()
+    assert result.returncode != 0
+    assert result.elapsed < 30, result.report()
+    log = " ".join(result.rank_logs["0"].split())
+    assert "rank 1 never builds its sampler" in result.rank_logs["1"]
+    assert "TimeoutError: Rank 0 waited 3 s in jaxddp's check of the arguments of " in log
+    assert "`DistributedSampler` and not every rank arrived" in log
+    waited = float(log.split("rank 0 raised after ")[1].split(" s:")[0])
+    assert 3 <= waited < 10, log

@@ -431,7 +431,7 @@ class FakeMPI(SimpleNamespace):
 
 @pytest.fixture
 def fresh_guard(monkeypatch):
-    monkeypatch.setattr(_launcher, "_cached", None)
+    monkeypatch.setattr(_launcher.checks, "_cached", None)
     for name in [k for k in os.environ if k.startswith(("PMI", "OMPI_", "SLURM_"))]:
         monkeypatch.delenv(name)
     monkeypatch.delenv(SKIP, raising=False)

@@ -1,0 +1,170 @@
+"""Every ``JAXDDP_*`` environment variable, read with one rule and one error for a bad value.
+
+A leaf module: it imports nothing of jaxddp. Each setting is one :class:`Setting` record in
+:data:`SETTINGS` (its name, its kind, its default, what it does), read when it is needed, so
+that a test or a program may change the environment between two uses. Booleans accept
+``1``/``true``/``yes``/``on`` and ``0``/``false``/``no``/``off`` in any case; an empty
+variable counts as unset. A value outside these raises :class:`SettingError`, which names the
+variable, the value and what is accepted. ``docs/settings.md`` lists the same table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import os
+from collections.abc import Mapping
+
+__all__ = [
+    "ABORT_ON_ERROR",
+    "CHECK",
+    "CHECK_TIMEOUT",
+    "SETTINGS",
+    "SKIP_LAUNCHER_CHECK",
+    "Setting",
+    "SettingError",
+    "SkipLevel",
+    "abort_on_error",
+    "check_timeout",
+    "check_trees",
+    "skip_launcher_check",
+]
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingError(ValueError):
+    """A ``JAXDDP_*`` environment variable holds a value jaxddp does not accept."""
+
+
+class SkipLevel(enum.Enum):
+    """How much of the launcher check ``JAXDDP_SKIP_LAUNCHER_CHECK`` turns off."""
+
+    NONE = "check"  # both checks run
+    INIT = "init"  # the check before MPI_Init is skipped; the silent-singleton check runs
+    ALL = "all"  # both are skipped
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One environment variable: its name, the values it takes, its default, its effect."""
+
+    name: str
+    accepts: str
+    default: str
+    effect: str
+
+
+SKIP_LAUNCHER_CHECK = Setting(
+    "JAXDDP_SKIP_LAUNCHER_CHECK",
+    "a boolean, or `all`",
+    "off",
+    "On: skip the launcher check before `MPI_Init` (for an MPI build it misjudges). `all`: "
+    "also skip the silent-singleton check after it (a world of 1 although the launcher "
+    "started more processes).",
+)
+CHECK = Setting(
+    "JAXDDP_CHECK",
+    "a boolean",
+    "off",
+    "The default of `allreduce_gradients(check=...)`: compare the ranks' gradient trees "
+    "before reducing and raise `TreeMismatchError` instead of hanging.",
+)
+CHECK_TIMEOUT = Setting(
+    "JAXDDP_CHECK_TIMEOUT",
+    "a positive number of seconds (`inf` waits forever)",
+    "60",
+    "How long a consistency check (the tree check, `synchronize`, the sampler's argument "
+    "check) waits for every rank before raising an error that says some rank never arrived.",
+)
+ABORT_ON_ERROR = Setting(
+    "JAXDDP_ABORT_ON_ERROR",
+    "a boolean",
+    "on",
+    "An uncaught exception on one rank of a world of more than one prints its traceback and "
+    "ends every rank with `MPI_Abort`, instead of leaving the others waiting forever.",
+)
+
+SETTINGS = (SKIP_LAUNCHER_CHECK, CHECK, CHECK_TIMEOUT, ABORT_ON_ERROR)
+
+
+def _raw(setting: Setting, env: Mapping[str, str] | None) -> str:
+    """The variable's value, stripped; ``""`` when unset or empty."""
+    return (os.environ if env is None else env).get(setting.name, "").strip()
+
+
+def _bad(setting: Setting, value: str) -> SettingError:
+    """The one error for a bad value: the variable, the value, what is accepted."""
+    spelled = ""
+    if "boolean" in setting.accepts:
+        spelled = f"{'/'.join(_TRUE)} for on, {'/'.join(_FALSE)} for off, any case; "
+    return SettingError(
+        f"{setting.name}={value!r} is not a value jaxddp understands: expected "
+        f"{setting.accepts} ({spelled}unset or empty for the default, {setting.default})."
+    )
+
+
+def _boolean(setting: Setting, value: str, default: bool) -> bool:
+    lowered = value.lower()
+    if lowered == "":
+        return default
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise _bad(setting, value)
+
+
+def skip_launcher_check(env: Mapping[str, str] | None = None) -> SkipLevel:
+    """``JAXDDP_SKIP_LAUNCHER_CHECK``: a boolean (on skips the check before ``MPI_Init``),
+    or ``all`` (skips the silent-singleton check too).
+
+    Example:
+      >>> skip_launcher_check({"JAXDDP_SKIP_LAUNCHER_CHECK": "Yes"})
+      <SkipLevel.INIT: 'init'>
+      >>> skip_launcher_check({"JAXDDP_SKIP_LAUNCHER_CHECK": "all"})
+      <SkipLevel.ALL: 'all'>
+      >>> skip_launcher_check({})
+      <SkipLevel.NONE: 'check'>
+    """
+    value = _raw(SKIP_LAUNCHER_CHECK, env)
+    if value.lower() == "all":
+        return SkipLevel.ALL
+    skip = _boolean(SKIP_LAUNCHER_CHECK, value, default=False)
+    return SkipLevel.INIT if skip else SkipLevel.NONE
+
+
+def check_trees(env: Mapping[str, str] | None = None) -> bool:
+    """``JAXDDP_CHECK``: whether ``allreduce_gradients`` checks the trees by default."""
+    return _boolean(CHECK, _raw(CHECK, env), default=False)
+
+
+def abort_on_error(env: Mapping[str, str] | None = None) -> bool:
+    """``JAXDDP_ABORT_ON_ERROR``: whether an uncaught exception aborts every rank."""
+    return _boolean(ABORT_ON_ERROR, _raw(ABORT_ON_ERROR, env), default=True)
+
+
+def check_timeout(env: Mapping[str, str] | None = None) -> float:
+    """``JAXDDP_CHECK_TIMEOUT``: seconds a consistency check waits for every rank.
+
+    Example:
+      >>> check_timeout({"JAXDDP_CHECK_TIMEOUT": "2.5"}), check_timeout({})
+      (2.5, 60.0)
+      >>> try:
+      ...     check_timeout({"JAXDDP_CHECK_TIMEOUT": "soon"})
+      ... except SettingError as e:
+      ...     print(e)
+      JAXDDP_CHECK_TIMEOUT='soon' is not a value jaxddp understands: expected a positive number of seconds (`inf` waits forever) (unset or empty for the default, 60).
+    """
+    value = _raw(CHECK_TIMEOUT, env)
+    if value == "":
+        return float(CHECK_TIMEOUT.default)
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise _bad(CHECK_TIMEOUT, value) from None
+    if math.isnan(seconds) or seconds <= 0:
+        raise _bad(CHECK_TIMEOUT, value)
+    return seconds

@@ -1,0 +1,198 @@
+"""Start-up and the MPI world: the guard, ``MPI_Init``, rank and size, private communicators.
+
+``import jaxddp`` calls :func:`start`: the launcher guard runs before ``MPI_Init``, then MPI is
+initialized right away, as ``from mpi4py import MPI`` would, so the program's own mpi4py
+code works. A program that set ``mpi4py.rc.initialize = False`` keeps control: MPI is then
+initialized by the first jaxddp call that needs it (:func:`init`). What jaxddp learns of the
+world (ranks, node-local ranks, its private communicators) is computed once, on first use.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from types import ModuleType
+from typing import Any
+
+from . import _launcher, _mpi, _settings
+
+__all__ = [
+    "World",
+    "check_comm",
+    "private_comms",
+    "init",
+    "jax_comm",
+    "local_rank",
+    "mpi",
+    "mpi4jax",
+    "py_comm",
+    "rank",
+    "start",
+    "world_size",
+]
+
+_lock = threading.RLock()
+_world: World | None = None
+
+
+def mpi() -> ModuleType:
+    """``mpi4py.MPI``, loaded without initializing MPI if nobody loaded it yet."""
+    return _mpi.load()
+
+
+def _cli_is_starting() -> bool:
+    """True while ``jaxddp doctor`` (the console script or ``python -m jaxddp``) imports jaxddp.
+
+    Python imports the package before any code of its CLI can run, so the interpreter's own
+    command line (``sys.orig_argv``, which neither runpy nor a console script rewrites) is
+    the only witness. The doctor runs the guard itself and reports a mismatch instead of
+    dying of it; it starts MPI only when the launcher matches.
+    """
+    argv = list(getattr(sys, "orig_argv", ()))
+    for i, arg in enumerate(argv[1:-1], start=1):
+        if arg == "-m" and argv[i + 1] == "jaxddp":
+            return True
+    return len(argv) > 1 and os.path.basename(argv[1]) in ("jaxddp", "jaxddp.exe")
+
+
+def start() -> None:
+    """What ``import jaxddp`` does: the guard before ``MPI_Init``, then ``MPI_Init``.
+
+    When the program initialized MPI itself first, only the silent-singleton check runs;
+    when it asked mpi4py not to initialize, MPI stays uninitialized until first use.
+    """
+    if _cli_is_starting():
+        return
+    MPI = _mpi.load()
+    if not MPI.Is_initialized():
+        _launcher.guard(MPI)
+        if _mpi.program_initializes():
+            return
+        _mpi.initialize()
+    _launcher.check_world_size(MPI.COMM_WORLD.Get_size())
+
+
+class World:
+    """What :func:`init` learned about the MPI world, computed once."""
+
+    def __init__(self, MPI: ModuleType) -> None:
+        world = MPI.COMM_WORLD
+        self.rank: int = world.Get_rank()
+        self.size: int = world.Get_size()
+        node = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank: int = node.Get_rank()
+        self.local_size: int = node.Get_size()
+        node.Free()
+        # Two private communicators: one for mpi4py calls made from Python, one for mpi4jax
+        # calls made from compiled code. Sharing one between the two can mix up messages.
+        self.py_comm = world.Clone()
+        self.jax_comm = world.Clone()
+
+
+def init() -> World:
+    """Initializes MPI once (after the launcher guard) and returns what it learned.
+
+    Safe to call many times. Every rank must reach it, as every rank must reach ``MPI_Init``.
+    """
+    global _world
+    if _world is not None:
+        return _world
+    with _lock:
+        if _world is None:
+            MPI = _mpi.load()
+            if not MPI.Is_initialized():
+                _launcher.guard(MPI)
+                _mpi.initialize()
+            world = World(MPI)
+            _launcher.check_world_size(world.size)
+            _world = world
+            _install_abort_on_error(world)
+    return _world
+
+
+def rank() -> int:
+    """This process's rank in the MPI world (0 without a launcher)."""
+    return init().rank
+
+
+def world_size() -> int:
+    """The number of ranks in the MPI world (1 without a launcher)."""
+    return init().size
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on the same node (useful to pick a GPU)."""
+    return init().local_rank
+
+
+def py_comm() -> Any:
+    """jaxddp's private communicator for mpi4py calls made from Python."""
+    return init().py_comm
+
+
+def jax_comm() -> Any:
+    """jaxddp's private communicator for mpi4jax calls made from compiled code."""
+    return init().jax_comm
+
+
+def mpi4jax() -> ModuleType:
+    """Imports mpi4jax, after MPI has been initialized by :func:`init`."""
+    init()
+    import mpi4jax as m
+
+    return m
+
+
+_keyval: int | None = None
+
+
+def private_comms(comm: Any = None) -> tuple[Any, Any]:
+    """jaxddp's two communicators over ``comm``: for mpi4py calls made from Python (checks,
+    collectives on concrete values), and for compiled code.
+
+    ``None``: jaxddp's private clones of ``COMM_WORLD``. A user's communicator: two private
+    duplicates of it, made once (collectively, at the first use on it) and cached on the
+    communicator as an MPI attribute, so that jaxddp's traffic never shares a communicator
+    with the user's own calls, nor Python's with compiled code still running.
+    """
+    global _keyval
+    world = init()
+    if comm is None:
+        return world.py_comm, world.jax_comm
+    with _lock:
+        if _keyval is None:
+            _keyval = mpi().Comm.Create_keyval()
+    private = comm.Get_attr(_keyval)
+    if private is None:
+        private = (comm.Dup(), comm.Dup())
+        comm.Set_attr(_keyval, private)
+    return private
+
+
+def check_comm(comm: Any = None) -> Any:
+    """The communicator for jaxddp's own mpi4py traffic (checks) over ``comm``."""
+    return private_comms(comm)[0]
+
+
+def _install_abort_on_error(world: World) -> None:
+    """Makes an uncaught exception on one rank end the whole job instead of hanging it.
+
+    Without this, the other ranks wait forever in their next collective. The rank's
+    traceback is printed first; ``JAXDDP_ABORT_ON_ERROR=0`` leaves ``sys.excepthook`` alone.
+    """
+    if world.size == 1 or not _settings.abort_on_error():
+        return
+    previous = sys.excepthook
+
+    def abort_on_error(exc_type: Any, exc: Any, tb: Any) -> None:
+        previous(exc_type, exc, tb)
+        sys.stderr.write(
+            f"jaxddp: rank {world.rank} of {world.size} raised an uncaught exception; "
+            "aborting every rank with MPI_Abort so that none waits forever "
+            "(set JAXDDP_ABORT_ON_ERROR=0 to turn this off).\n"
+        )
+        sys.stderr.flush()
+        mpi().COMM_WORLD.Abort(1)
+
+    sys.excepthook = abort_on_error
