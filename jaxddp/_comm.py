@@ -90,8 +90,7 @@ def _fused(leaves: list[jax.Array], collective: Any, *, arithmetic: bool) -> lis
     wire = [_to_wire(x, arithmetic) for x in leaves]
     groups = plan(wire)
     buffers = [
-        wire[g[0]] if len(g) == 1 else jnp.concatenate([wire[i].ravel() for i in g])
-        for g in groups
+        wire[g[0]] if len(g) == 1 else jnp.concatenate([wire[i].ravel() for i in g]) for g in groups
     ]
     out: list[Any] = list(wire)  # empty leaves stay as they are
     for group, flat in zip(groups, collective(buffers), strict=True):
@@ -214,9 +213,7 @@ def _restore(old: Any, new: Any) -> Any:
     return new
 
 
-def _rooted(
-    tree: Any, root: int, comm: Any, traced: Any, host: Any, *, arithmetic: bool
-) -> Any:
+def _rooted(tree: Any, root: int, comm: Any, traced: Any, host: Any, *, arithmetic: bool) -> Any:
     """Applies a rooted collective to the array and number leaves; others pass unchanged.
 
     ``traced(buffers, jax_comm)`` runs it in compiled code, ``host(leaves, host_comm)`` on

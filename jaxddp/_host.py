@@ -82,8 +82,6 @@ def reduce(leaves: list[Any], op: Any, root: int, comm: Any) -> list[np.ndarray]
     from mpi4py import MPI
 
     if comm.Get_rank() == root:
-        return _apply(
-            leaves, lambda b: comm.Reduce(MPI.IN_PLACE, b, op, root), arithmetic=True
-        )
+        return _apply(leaves, lambda b: comm.Reduce(MPI.IN_PLACE, b, op, root), arithmetic=True)
     _apply(leaves, lambda b: comm.Reduce(b, None, op, root), arithmetic=True, receive=False)
     return [np.asarray(x) for x in leaves]

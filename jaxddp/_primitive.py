@@ -33,9 +33,9 @@ import jax
 import numpy as np
 from jax._src import dispatch
 from jax._src.core import ShapedArray, abstract_token
+from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.lax import create_token_p
 from jax.extend.core import Primitive
-from jax._src.interpreters import partial_eval as pe
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
@@ -54,9 +54,9 @@ PATH_VARIABLE = "JAXDDP_TEST_COLLECTIVE_PATH"
 
 
 def _jaxlib_version() -> tuple[int, int]:
-    import jaxlib
+    from importlib.metadata import version
 
-    major, minor = jaxlib.__version__.split(".")[:2]
+    major, minor = version("jaxlib").split(".")[:2]
     return int(major), int(minor)
 
 
@@ -122,18 +122,17 @@ def _attrs(kind: str, params: dict[str, Any]) -> dict[str, Any]:
 _TARGETS = {"allreduce": "mpi_allreduce_ffi", "bcast": "mpi_bcast_ffi", "reduce": "mpi_reduce_ffi"}
 
 
-def _emit(ctx: Any, token: Any, xs: Sequence[Any], avals_in: Any, avals_out: Any, kind: str,
-          params: dict[str, Any]) -> tuple[Any, list[Any]]:
+def _emit(
+    ctx: Any, token: Any, xs: Sequence[Any], avals: tuple[Any, Any], *, kind: str, params: Any
+) -> tuple[Any, list[Any]]:
     """One side-effecting custom call per buffer, each taking the previous call's token."""
     from jax._src.core import abstract_token
 
     rule = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True)
     attrs = _attrs(kind, params)
     outs = []
-    for x, aval_in, aval_out in zip(xs, avals_in, avals_out, strict=True):
-        sub = ctx.replace(
-            avals_in=(aval_in, abstract_token), avals_out=(aval_out, abstract_token)
-        )
+    for x, aval_in, aval_out in zip(xs, *avals, strict=True):
+        sub = ctx.replace(avals_in=(aval_in, abstract_token), avals_out=(aval_out, abstract_token))
         nitems = np.int64(np.prod(aval_in.shape, dtype=np.int64))
         out, token = rule(sub, x, token, nitems=nitems, dtype=_dtype_handle(aval_in.dtype), **attrs)
         outs.append(out)
@@ -159,12 +158,35 @@ _chained_p.def_abstract_eval(
 pe.dce_rules[_chained_p] = lambda used, eqn: ([True] * len(eqn.invars), eqn)
 
 
+def _lowering_into_main() -> bool:
+    """Whether ops are being emitted straight into the module's entry function."""
+    ir = mlir.ir
+    owner = ir.InsertionPoint.current.block.owner  # pyright: ignore[reportAttributeAccessIssue]
+    if owner.operation.name != "func.func":
+        return False
+    return ir.StringAttr(owner.attributes["sym_name"]).value == "main"
+
+
 def _lower_chained(ctx: Any, token: Any, *xs: Any, kind: str, **params: Any) -> list[Any]:
-    token, outs = _emit(ctx, token, xs, ctx.avals_in[1:], ctx.avals_out[1:], kind, params)
+    if not _lowering_into_main():
+        # A jitted function traced on its own (so chained) is being compiled inside another
+        # computation: its chain would not be ordered with the caller's collectives.
+        msg = (
+            "A jitted function holding jaxddp collectives was first traced on its own and "
+            "is now called inside another jitted function, loop or branch, where the order "
+            "of its collectives against the caller's cannot be guaranteed. Call it only at "
+            "the top level, or create it with `jax.jit(f, inline=True)` so that it is traced "
+            "into its caller."
+        )
+        raise NotImplementedError(msg)
+    token, outs = _emit(
+        ctx, token, xs, (ctx.avals_in[1:], ctx.avals_out[1:]), kind=kind, params=params
+    )
     return [token, *outs]
 
 
-mlir.register_lowering(_chained_p, _lower_chained, platform="cpu")
+# Not cacheable: emitted in place, so that it can tell where it is emitted.
+mlir.register_lowering(_chained_p, _lower_chained, platform="cpu", cacheable=False)
 
 _ordered_p = Primitive("jaxddp_ordered")
 _ordered_p.multiple_results = True
@@ -189,7 +211,7 @@ def _lower_ordered(
         token, xs, avals_in = args[0], args[1:], ctx.avals_in[1:]
     else:
         token, xs, avals_in = ctx.tokens_in.get(ordered_effect), args, ctx.avals_in
-    token, outs = _emit(ctx, token, xs, avals_in, ctx.avals_out, kind, params)
+    token, outs = _emit(ctx, token, xs, (avals_in, ctx.avals_out), kind=kind, params=params)
     ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
     return outs
 
@@ -235,9 +257,7 @@ def _root(trace: Any) -> Any:
     return root
 
 
-def _stage(
-    p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: Any
-) -> list[Any]:
+def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: Any) -> list[Any]:
     """Stages a collective into ``trace``: chained at the jit's own level, ordered inside
     control flow and nested jits (and everywhere when the fast path is off).
 
@@ -258,6 +278,7 @@ def _stage(
     if fast_path() and trace is root and not chain.switched:
         token = chain.token
         if token is None:
+            _wait_at_exit()
             token = create_token_p.bind_with_trace(root, (), (), {})
         token, *outs = _chained_p.bind_with_trace(
             trace, (token, *args), (abstract_token, *avals), params
@@ -270,6 +291,25 @@ def _stage(
     if token is None:
         return _ordered_p.bind_with_trace(trace, tuple(args), tuple(avals), params)
     return _ordered_p.bind_with_trace(trace, (token, *args), (abstract_token, *avals), params)
+
+
+@functools.cache
+def _wait_at_exit() -> None:
+    """At exit, waits for every dispatched executable before MPI is finalized.
+
+    JAX's own exit barrier waits only for executables with effects; a step dispatched
+    without waiting would otherwise still be inside an MPI call when ``MPI_Finalize`` runs.
+    The PjRt CPU client runs a device's executables in dispatch order, so a trivial one
+    dispatched last is done only when all before it are. (mpi4py finalizes MPI after every
+    Python ``atexit`` handler has run.)
+    """
+    import atexit
+
+    def wait() -> None:
+        with contextlib.suppress(Exception):  # the runtime may already be shutting down
+            jax.block_until_ready(jax.numpy.zeros(()) + 1)
+
+    atexit.register(wait)
 
 
 class _Collective(Primitive):

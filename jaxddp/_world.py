@@ -20,12 +20,12 @@ from . import _launcher, _mpi, _settings
 __all__ = [
     "World",
     "check_comm",
-    "private_comms",
     "init",
     "jax_comm",
     "local_rank",
     "mpi",
     "mpi4jax",
+    "private_comms",
     "py_comm",
     "rank",
     "start",

@@ -34,16 +34,23 @@ class Outcome:
     message: str = ""
 
 
-def _module_plan(path: Path) -> tuple[tuple[int, ...], list[str]]:
-    """World sizes and test names of a module, read without importing it."""
+def _module_plan(path: Path) -> tuple[tuple[int, ...], list[str], dict[str, dict[str, str]]]:
+    """World sizes, test names and environment variants of a module, read without
+    importing it. ``MPI_VARIANTS = {"name": {"VARIABLE": "value"}}`` launches the module
+    once more per variant, with those variables set."""
     tree = ast.parse(path.read_text(), filename=str(path))
     sizes: tuple[int, ...] = DEFAULT_SIZES
     names: list[str] = []
+    variants: dict[str, dict[str, str]] = {"": {}}
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "MPI_SIZES" for t in node.targets
         ):
             sizes = tuple(ast.literal_eval(node.value))
+        elif isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "MPI_VARIANTS" for t in node.targets
+        ):
+            variants.update(ast.literal_eval(node.value))
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith(
             "test"
         ):
@@ -58,7 +65,7 @@ def _module_plan(path: Path) -> tuple[tuple[int, ...], list[str]]:
     if wanted:
         allowed = {int(s) for s in wanted.split(",")}
         sizes = tuple(s for s in sizes if s in allowed)
-    return sizes, names
+    return sizes, names, variants
 
 
 def _read_junit(text: str) -> dict[str, Outcome]:
@@ -85,8 +92,8 @@ def _read_junit(text: str) -> dict[str, Outcome]:
 class MPIRun:
     """One launch of one test module at one world size; runs at most once."""
 
-    def __init__(self, path: Path, np: int) -> None:
-        self.path, self.np = path, np
+    def __init__(self, path: Path, np: int, env: dict[str, str] | None = None) -> None:
+        self.path, self.np, self.env = path, np, env or {}
         self.result: LaunchResult | None = None
         self.outcomes: dict[str, dict[str, Outcome]] = {}  # rank -> test id -> outcome
 
@@ -109,6 +116,7 @@ class MPIRun:
                 self.np,
                 directory=directory,
                 cwd=self.path.parents[2],
+                env={**os.environ, **self.env} if self.env else None,
             )
             for xml in sorted(directory.glob("rank-*.xml")):
                 rank = xml.stem[len("rank-") :]
@@ -196,14 +204,16 @@ class MPIFailure(Exception):
 
 class MPIModule(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
-        sizes, names = _module_plan(self.path)
+        sizes, names, variants = _module_plan(self.path)
         for np in sizes:
-            mpi_run = MPIRun(self.path, np)
-            yield MPILaunchItem.from_parent(self, name=f"[np={np}]", mpi_run=mpi_run)
-            for name in names:
-                yield MPITestItem.from_parent(
-                    self, name=f"{name}[np={np}]", mpi_run=mpi_run, test_id=name
-                )
+            for variant, env in variants.items():
+                mpi_run = MPIRun(self.path, np, env)
+                tag = f"np={np}" + (f"-{variant}" if variant else "")
+                yield MPILaunchItem.from_parent(self, name=f"[{tag}]", mpi_run=mpi_run)
+                for name in names:
+                    yield MPITestItem.from_parent(
+                        self, name=f"{name}[{tag}]", mpi_run=mpi_run, test_id=name
+                    )
 
 
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):

@@ -1,11 +1,14 @@
 """Every rank must start its collectives in the same order, or a job deadlocks.
 
 Inside one jitted step that order is XLA's to choose: its CPU runtime runs thunks as soon as
-what they wait for is done, on several threads. jaxddp's MPI calls carry mpi4jax's ordered
-effect, whose token makes each call wait for the one before. This test reads the execution
-graph XLA:CPU actually built (its own debug log) and checks that the collectives of a step
-form one chain, through a ``lax.cond`` too. It depends on that log's format: if a jaxlib
-upgrade changes it, the parsing fails loudly here, and the ordering needs checking again.
+what they wait for is done, on several threads. At the jit's own level jaxddp's MPI calls
+carry no JAX effect (so the step keeps JAX's fast dispatch path) and are chained by an XLA
+token that each call takes from the one before; inside control flow they carry mpi4jax's
+ordered effect, whose token continues that chain. This test reads the execution graph
+XLA:CPU actually built (its own debug log) and checks that the collectives of a step form
+one chain, through a ``lax.cond`` too. It depends on that log's format: if a jaxlib upgrade
+changes it, the parsing fails loudly here, and the ordering needs checking again before the
+new jaxlib joins ``jaxddp._primitive.VERIFIED_JAXLIB``.
 """
 
 import itertools
@@ -13,6 +16,9 @@ import os
 import re
 from pathlib import Path
 
+import jax
+
+from jaxddp import _primitive
 from tests.harness import launch
 
 SCRIPTS = Path(__file__).with_name("scripts")
@@ -33,7 +39,10 @@ def execution_graphs(log: str) -> list[dict[str, tuple[int, str, set[str]]]]:
 
 
 def is_collective(name: str, kind: str) -> bool:
-    return kind == "custom-call" and re.match(r"\w+_mpi\.\d+$", name) is not None
+    return kind == "custom-call" and re.match(COLLECTIVE, name) is not None
+
+
+COLLECTIVE = r"(\w+_mpi|jaxddp_chained|jaxddp_ordered)\.\d+$"
 
 
 def reaches(graph: dict[str, tuple[int, str, set[str]]], later: str, earlier: str) -> bool:
@@ -79,6 +88,17 @@ def test_the_check_sees_two_collectives_that_need_not_wait_for_each_other():
     assert unordered(graph) == [("allreduce_mpi.3", "allreduce_mpi.6")]
 
 
+def test_this_jaxlib_takes_the_fast_path():
+    import jaxlib
+
+    assert jax.default_backend() == "cpu"
+    assert _primitive.fast_path(), (
+        f"jaxlib {jaxlib.__version__} is not in jaxddp._primitive.VERIFIED_JAXLIB, so every "
+        "collective takes the ordered-effect path. Check the ordering tests "
+        "(tests/test_ordering.py, tests/mpi/test_ordering.py) against it, then add it."
+    )
+
+
 def test_the_collectives_of_a_step_form_one_chain_in_xlas_execution_graph():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="thunk_executor=6")
     result = launch([str(SCRIPTS / "thunk_graph.py")], 2, timeout=120, env=env)
@@ -87,15 +107,37 @@ def test_the_collectives_of_a_step_form_one_chain_in_xlas_execution_graph():
     assert "step done" in log
     graphs = execution_graphs(log)
     assert graphs, "no execution graph in the log: has XLA:CPU's debug log format changed?"
-    step = max(graphs, key=lambda g: sum(is_collective(n, k) for n, (_, k, _) in g.items()))
+    # the flat step: all seven calls chained, with no JAX effect, in one chain
+    flat = [
+        g
+        for g in graphs
+        if sum(is_collective(n, k) for n, (_, k, _) in g.items()) == 7
+        and not any(k == "conditional" for _, k, _ in g.values())
+    ]
+    assert flat, [ordered_nodes(g) for g in graphs]
+    names = ordered_nodes(flat[0])
+    assert all(n.startswith("jaxddp_chained.") for n in names), names
+    assert unordered(flat[0]) == [], names
+    # the step with the cond
+    step = max(graphs, key=lambda g: sum(k == "conditional" for _, k, _ in g.values()))
     names = ordered_nodes(step)
     # the mean: 3 big leaves alone, one float32 bucket (bfloat16 is reduced in float32) and
     # one int32 bucket; then the cond, the broadcast and the max
     assert sum(is_collective(n, step[n][1]) for n in names) == 7, names
     assert sum(step[n][1] == "conditional" for n in names) == 1, names
     assert unordered(step) == [], names
+    # chained up to the cond, mpi4jax's ordered effect from there on
+    kinds = [n.split(".")[0] for n in names]
+    assert kinds[0] == "jaxddp_chained", names
+    assert kinds[-1] == "jaxddp_ordered", names
     # and the cond's own graph holds its reduction
     assert any(
         len(g) < len(step) and any(is_collective(n, k) for n, (_, k, _) in g.items())
         for g in graphs
     )
+
+
+def test_a_program_that_exits_without_waiting_for_its_step_ends_cleanly():
+    result = launch([str(SCRIPTS / "exit_without_waiting.py")], 2, timeout=120)
+    assert result.ok, result.report()
+    assert all("dispatched" in log for log in result.rank_logs.values())

@@ -61,3 +61,62 @@ def test_allreduce_is_identical_on_every_rank():
     out = jax.jit(jaxddp.allreduce)({"x": jnp.float32(rank) / 3.0})
     everyone = jaxddp.allreduce({"x": out["x"]}, op="max")
     assert float(everyone["x"]) == float(out["x"])
+
+
+def test_concrete_values_take_the_host_path_and_come_back_as_numpy():
+    tree = {
+        "loss": jnp.float32(rank + 0.5),
+        "hits": np.array([rank, 1], np.int32),
+        "half": jnp.full(3, rank + 1, jnp.bfloat16),
+        "big": np.full(300_000, rank, np.float32),  # travels alone
+        "n": rank,
+    }
+    out = jaxddp.allreduce(tree, op="sum")
+    assert all(isinstance(x, np.ndarray | np.generic) for x in jax.tree.leaves(out))
+    assert float(out["loss"]) == sum(r + 0.5 for r in range(size))
+    np.testing.assert_array_equal(out["hits"], [sum(range(size)), size])
+    assert out["half"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(out["half"].astype(np.float32), [size * (size + 1) / 2] * 3)
+    np.testing.assert_array_equal(out["big"], np.full(300_000, sum(range(size))))
+    assert int(out["n"]) == sum(range(size))
+    mean = jaxddp.allreduce(tree, op="mean")
+    assert mean["hits"].dtype == np.float32  # an integer mean is float32, as in jit
+    np.testing.assert_allclose(mean["hits"], [np.mean(range(size)), 1.0])
+    jitted = jax.jit(lambda t: jaxddp.allreduce(t, op="mean"))(tree)
+    for a, b in zip(jax.tree.leaves(mean), jax.tree.leaves(jitted), strict=True):
+        assert np.asarray(a).dtype == np.asarray(b).dtype
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_masked_mean_on_concrete_values_matches_the_jitted_one():
+    values = jnp.arange(10.0) * (rank + 1)
+    mask = jnp.arange(10) < 7 - rank  # each rank has a different number of real entries
+    eager = jaxddp.masked_mean(values, mask)
+    jitted = jax.jit(jaxddp.masked_mean)(values, mask)
+    assert isinstance(eager, np.ndarray | np.generic)
+    total = sum(np.arange(10.0)[: 7 - r].sum() * (r + 1) for r in range(size))
+    count = sum(7 - r for r in range(size))
+    np.testing.assert_allclose(eager, total / count, rtol=1e-6)
+    np.testing.assert_allclose(jitted, total / count, rtol=1e-6)
+    assert np.asarray(eager).dtype == np.float32
+    nothing = jaxddp.masked_mean(values, jnp.zeros(10, bool))
+    assert np.isnan(nothing)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_broadcast_and_reduce_keep_the_kind_of_each_leaf(jit):
+    tree = {"w": jnp.arange(3.0) + rank, "step": rank, "name": "mlp"}
+    run = jax.jit if jit else (lambda f: f)
+    out = run(lambda t: jaxddp.broadcast(t, root=size - 1))(
+        tree if not jit else {k: v for k, v in tree.items() if k != "name"}
+    )
+    np.testing.assert_array_equal(out["w"], np.arange(3.0) + size - 1)
+    assert int(out["step"]) == size - 1
+    if not jit:
+        assert isinstance(out["w"], jax.Array)
+        assert out["step"] == size - 1
+        assert isinstance(out["step"], int)
+        assert out["name"] == "mlp"
+    total = run(lambda t: jaxddp.reduce(t, "sum", root=0))({"w": tree["w"]})
+    expected = np.arange(3.0) * size + sum(range(size)) if rank == 0 else np.arange(3.0) + rank
+    np.testing.assert_array_equal(total["w"], expected)

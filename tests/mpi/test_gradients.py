@@ -149,7 +149,7 @@ def test_multisteps_communicates_only_when_it_applies_an_update():
     tx = optax.MultiSteps(optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.1)), 4)
     jaxpr = jax.make_jaxpr(tx.update)(params, tx.init(params), params).jaxpr
     top = [e.primitive.name for e in jaxpr.eqns]
-    assert not any("mpi" in name for name in top), top
+    assert not any(name.startswith("jaxddp_") for name in top), top
     inside = [
         e.primitive.name
         for eqn in jaxpr.eqns
@@ -157,7 +157,7 @@ def test_multisteps_communicates_only_when_it_applies_an_update():
         for branch in eqn.params["branches"]
         for e in branch.jaxpr.eqns
     ]
-    assert "allreduce_mpi" in inside
+    assert "jaxddp_ordered" in inside  # inside control flow: mpi4jax's ordered effect
 
 
 def test_mismatched_trees_with_check_raise_on_every_rank():

@@ -3,7 +3,8 @@
 Run with TF_CPP_VMODULE=thunk_executor=6 so that XLA:CPU logs each executable's thunk
 execution graph: which thunk waits for which. The step holds large leaves that travel alone,
 float32 and bfloat16 buckets, an integer leaf, a reduction inside a ``lax.cond`` (the only
-conditional in the step), a broadcast and a max.
+conditional in the step), a broadcast and a max; ``flat`` holds the same without the
+``lax.cond``.
 """
 
 import jax
@@ -39,5 +40,15 @@ def step(tree, k):
     return mean, inner, root, top
 
 
+@jax.jit
+def flat(tree):
+    """No control flow: every collective is at the jit's own level (the fast path)."""
+    mean = jaxddp.allreduce(tree)
+    root = jaxddp.broadcast(tree["small3"] * 3)
+    top = jaxddp.allreduce(tree["small0"].sum(), op="max")
+    return mean, root, top
+
+
+jax.block_until_ready(flat(tree))
 jax.block_until_ready(step(tree, 1))
 print("step done", flush=True)

@@ -1,0 +1,253 @@
+"""Every rank starts its collectives in the same order: values checked on real ranks.
+
+A step whose collectives started in different orders on different ranks would mix their
+messages (wrong values, "Message truncated") or deadlock. Each case here checks every
+element of every result against the value computed from all ranks' inputs, and which form
+the collectives took: chained (no JAX effect, the fast path) where every collective is at the
+jit's own level, ordered (mpi4jax's effect) inside control flow. The ``ordered`` variant
+runs the same cases with the ordered form forced everywhere: the fallback path.
+"""
+
+import jax
+import jax.numpy as jnp
+import mpi4jax
+import numpy as np
+import optax
+import pytest
+from mpi4py import MPI
+
+import jaxddp
+from jaxddp import _primitive
+
+MPI_SIZES = (2, 4)
+MPI_VARIANTS = {"ordered": {"JAXDDP_TEST_COLLECTIVE_PATH": "ordered"}}
+
+rank = jaxddp.rank()
+size = jaxddp.world_size()
+ranks = np.arange(size)
+FAST = _primitive.fast_path()
+
+
+def _forms(fun, *args):
+    """The names of jaxddp's staged collectives in the jaxpr of ``fun``, at any depth."""
+    names = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name.startswith("jaxddp_"):
+                names.append(eqn.primitive.name)
+            for value in eqn.params.values():
+                for item in value if isinstance(value, tuple | list) else (value,):
+                    inner = getattr(item, "jaxpr", item)  # a ClosedJaxpr or a Jaxpr
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(fun.trace(*args).jaxpr.jaxpr)  # traced as the top-level jit it is
+    return names
+
+
+def _per_rank(make):
+    """``make(r)`` for every rank r, stacked: what each rank passes."""
+    return np.stack([np.asarray(make(r)) for r in range(size)])
+
+
+def test_collectives_of_different_and_equal_sizes_in_one_step():
+    def make(r):
+        return {
+            "big": np.full(300_001, r + 1.0, np.float32),  # travels alone
+            "same_a": np.arange(5.0, dtype=np.float32) * (r + 1),
+            "same_b": np.arange(5.0, dtype=np.float32) - r,
+            "ints": np.array([r, 2 * r, 3], np.int32),
+        }
+
+    @jax.jit
+    def step(tree):
+        total = jaxddp.allreduce(tree, op="sum")
+        top = jaxddp.allreduce(tree["same_a"], op="max")
+        low = jaxddp.allreduce(tree["same_b"], op="min")
+        root = jaxddp.broadcast(tree["ints"], root=size - 1)
+        return total, top, low, root
+
+    mine = jax.tree.map(jnp.asarray, make(rank))
+    assert set(_forms(step, mine)) == ({"jaxddp_chained"} if FAST else {"jaxddp_ordered"})
+    for _ in range(20):
+        total, top, low, root = step(mine)
+        everyone = [make(r) for r in range(size)]
+        for key in mine:
+            np.testing.assert_array_equal(total[key], np.sum([t[key] for t in everyone], 0))
+        np.testing.assert_array_equal(top, _per_rank(lambda r: make(r)["same_a"]).max(0))
+        np.testing.assert_array_equal(low, _per_rank(lambda r: make(r)["same_b"]).min(0))
+        np.testing.assert_array_equal(root, make(size - 1)["ints"])
+
+
+def test_no_effect_on_the_fast_path():
+    step = jax.jit(lambda x: jaxddp.allreduce({"a": x, "b": x * 2}, op="sum"))
+    assert (step.trace(jnp.ones(3)).jaxpr.effects == set()) == FAST
+
+
+def test_a_chained_function_called_inside_another_jit_is_a_clear_error():
+    step = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"))
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(step(x), x * size)
+    outer = jax.jit(lambda x: step(x * 2) + jaxddp.allreduce(x, op="max"))
+    if FAST:
+        with pytest.raises(NotImplementedError, match="inline=True"):
+            outer(x)
+    else:
+        np.testing.assert_array_equal(outer(x), x * 2 * size + x)
+    inline = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"), inline=True)
+    np.testing.assert_array_equal(inline(x), x * size)
+    outer = jax.jit(lambda x: inline(x * 2) + jaxddp.allreduce(x, op="max"))
+    np.testing.assert_array_equal(outer(x), x * 2 * size + x)
+
+
+def _model():
+    params = {"w": jnp.full((4, 3), 0.5), "b": jnp.zeros(3)}
+    x = jnp.arange(8 * 4, dtype=jnp.float32).reshape(8, 4) / 10 + rank
+    y = jnp.arange(8 * 3, dtype=jnp.float32).reshape(8, 3) / 7 - rank
+    return params, x, y
+
+
+def _loss(params, x, y):
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def test_a_metric_allreduce_and_the_gradient_sync_in_one_step():
+    params, x, y = _model()
+    tx = optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.1))
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(_loss)(params, x, y)
+        metric = jaxddp.allreduce({"loss": loss, "count": jnp.int32(1)}, op="sum")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metric
+
+    assert set(_forms(step, params, tx.init(params), x, y)) == (
+        {"jaxddp_chained"} if FAST else {"jaxddp_ordered"}
+    )
+    new, _, metric = step(params, tx.init(params), x, y)
+    losses, grads = zip(
+        *[jax.value_and_grad(_loss)(params, x - rank + r, y + rank - r) for r in range(size)],
+        strict=True,
+    )
+    np.testing.assert_allclose(metric["loss"], np.sum(losses), rtol=1e-6)
+    assert int(metric["count"]) == size
+    mean_grad = jax.tree.map(lambda *g: np.mean(np.stack(g), 0), *grads)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, mean_grad)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_multisteps_collective_inside_cond_with_a_metric_allreduce_outside():
+    params, x, y = _model()
+    k = 2
+    tx = optax.MultiSteps(optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.1)), k)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        before = jaxddp.allreduce(jnp.float32(rank), op="sum")
+        loss, grads = jax.value_and_grad(_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        after = jaxddp.allreduce(loss, op="max")
+        return optax.apply_updates(params, updates), opt_state, before, after
+
+    forms = _forms(step, params, tx.init(params), x, y)
+    assert "jaxddp_ordered" in forms
+    if FAST:
+        assert forms[0] == "jaxddp_chained"  # before the cond: still on the chain
+    state, current = tx.init(params), params
+    for i in range(4):
+        losses = [float(_loss(current, x - rank + r, y + rank - r)) for r in range(size)]
+        current, state, before, after = step(current, state, x, y)
+        assert float(before) == ranks.sum()
+        np.testing.assert_allclose(after, max(losses), rtol=1e-6)
+        if i % k == k - 1:  # an update was applied: identical everywhere
+            hi = jaxddp.allreduce(current, op="max")
+            lo = jaxddp.allreduce(current, op="min")
+            for a, b in zip(jax.tree.leaves(hi), jax.tree.leaves(lo), strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_collectives_inside_scan_and_fori_loop():
+    def body(i, carry):
+        x, acc = carry
+        x = jaxddp.allreduce(x, op="sum") / size + 1.0
+        acc = acc + jaxddp.allreduce(jnp.float32(rank * i), op="sum")
+        return x, acc
+
+    @jax.jit
+    def step(x):
+        start = jaxddp.allreduce(x, op="max")
+        x, acc = jax.lax.fori_loop(0, 5, body, (x, jnp.float32(0)))
+        ys = jax.lax.scan(lambda c, v: (c, jaxddp.allreduce(v * c, op="sum")), 2.0, x[:3])[1]
+        end = jaxddp.allreduce(x, op="min")
+        return start, x, acc, ys, end
+
+    mine = jnp.arange(6.0) + rank
+    assert "jaxddp_ordered" in _forms(step, mine)
+    start, x, acc, ys, end = step(mine)
+    np.testing.assert_array_equal(start, np.arange(6.0) + size - 1)
+    expected = np.arange(6.0) + ranks.mean()
+    for _ in range(5):
+        expected = expected + 1.0
+    np.testing.assert_allclose(x, expected, rtol=1e-6)
+    assert float(acc) == sum(ranks.sum() * i for i in range(5))
+    np.testing.assert_allclose(ys, 2.0 * size * expected[:3], rtol=1e-6)
+    np.testing.assert_allclose(end, expected, rtol=1e-6)
+
+
+def test_two_jitted_functions_dispatched_back_to_back_without_waiting():
+    f = jax.jit(lambda x: jaxddp.allreduce(x * (rank + 1), op="sum"))
+    g = jax.jit(lambda x: jaxddp.allreduce(x + rank, op="max"))
+    x = jnp.arange(1000.0)
+    results = []
+    for _ in range(1000):
+        results.append((f(x), g(x)))  # no data dependence, no wait in between
+    weights = (ranks + 1).sum()
+    wrong = sum(
+        not (np.array_equal(a, np.arange(1000.0) * weights) and np.array_equal(b, x + size - 1))
+        for a, b in results
+    )
+    assert wrong == 0
+
+
+def test_the_users_own_mpi4jax_allreduce_on_their_communicator_in_the_same_step():
+    theirs = MPI.COMM_WORLD.Clone()
+    params, x, y = _model()
+    tx = optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.1))
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        own = mpi4jax.allreduce(jnp.float32(rank + 1), op=MPI.SUM, comm=theirs)
+        grads = jax.grad(_loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        also = mpi4jax.allreduce(x.sum(), op=MPI.MAX, comm=theirs)
+        return optax.apply_updates(params, updates), own, also
+
+    sums = [float(x.sum() - 32 * rank + 32 * r) for r in range(size)]
+    grads = [jax.grad(_loss)(params, x - rank + r, y + rank - r) for r in range(size)]
+    mean_grad = jax.tree.map(lambda *g: np.mean(np.stack(g), 0), *grads)
+    expected = jax.tree.map(lambda p, g: p - 0.1 * g, params, mean_grad)
+    for _ in range(300):
+        new, own, also = step(params, tx.init(params), x, y)
+        assert float(own) == (ranks + 1).sum()
+        np.testing.assert_allclose(also, max(sums), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(expected), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    theirs.Free()
+
+
+@pytest.mark.parametrize("n", [10**5, 10**6, 10**7])
+def test_large_buffers_reduced_repeatedly_in_a_loop_every_element_checked(n):
+    # mpi4jax's issue #229 saw only the head of such a buffer come out right.
+    @jax.jit
+    def step(x):
+        return jax.lax.fori_loop(0, 3, lambda i, v: jaxddp.allreduce(v, op="sum") - v, x)
+
+    x = jnp.arange(n, dtype=jnp.float32) % 1000 + rank
+    # v -> sum_r v_r - v: after 3 rounds, computed exactly for these small integers
+    per_rank = np.stack([np.arange(n, dtype=np.float64) % 1000 + r for r in range(size)])
+    for _ in range(3):
+        per_rank = per_rank.sum(0) - per_rank
+    np.testing.assert_array_equal(np.asarray(step(x)), per_rank[rank].astype(np.float32))
