@@ -1,23 +1,24 @@
-"""jaxddp's MPI primitives: effect-free, so a jitted step keeps JAX's fast dispatch path.
+"""jaxddp's MPI primitives: no JAX effect where the order is provable, so a jitted step
+keeps JAX's C++ fast dispatch path.
 
 An executable that holds a primitive with a JAX effect (mpi4jax's are ordered effects) is
-dispatched on JAX's Python path, at tens of microseconds per argument and result leaf. The
-primitives here carry no effect. Their lowering calls the same FFI targets that mpi4jax
-registers (``mpi_allreduce_ffi``, ``mpi_bcast_ffi``, ``mpi_reduce_ffi``), each custom call
-marked side-effecting and threaded with an XLA token. Every rank then starts its collectives
-in the same order because of two facts of XLA:CPU and its PjRt client, both checked by the
-test suite for the jaxlib versions listed in :data:`VERIFIED_JAXLIB`:
+dispatched on JAX's Python path, at microseconds per argument and result leaf. jaxddp's
+collectives (:data:`allreduce_p`, :data:`bcast_p`, :data:`reduce_p`) are what JAX's
+transformations see; where one is staged into a jaxpr (:func:`_stage`) it takes one of two
+forms, both lowered to the FFI targets mpi4jax registers (``mpi_allreduce_ffi``, ...):
 
-* Inside one executable, XLA:CPU's thunk executor gives every token buffer one shared
-  resource, so every custom call that takes or makes a token waits for the one scheduled
-  before it, through ``cond`` and ``while`` bodies too (``tests/test_ordering.py`` reads the
-  execution graph XLA:CPU logs and fails if that changes).
-* Across executables, the PjRt CPU client makes each single-device executable wait for the
-  one enqueued before it on its device, so executables run in dispatch order.
+* ``jaxddp_chained``, at the jit's own level: no effect. It takes the XLA token of the
+  collective staged before it in the same jit and returns its own, so its custom calls form
+  one chain in XLA:CPU's execution graph (``tests/test_ordering.py`` reads that graph).
+  Across executables, the PjRt CPU client runs a device's executables in dispatch order.
+* ``jaxddp_ordered``, inside control flow and nested jits: mpi4jax's ordered effect, whose
+  token JAX threads through ``cond``, loops and calls. The first one takes the last chained
+  token, and every later collective of that jit is ordered too, so the two forms make one
+  chain.
 
-Where either fact is not established (another platform, an unverified jaxlib, several local
-devices), :func:`fast_path` is False and the collectives are mpi4jax's ordered-effect
-primitives, as before: slower to dispatch, ordered by JAX's runtime tokens.
+Where that ordering has not been established (another platform, a jaxlib outside
+:data:`VERIFIED_JAXLIB`, several local devices), :func:`fast_path` is False and every
+collective is ordered: slower to dispatch, as mpi4jax.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from jax._src import dispatch
-from jax._src.core import ShapedArray, abstract_token
+from jax._src.core import abstract_token
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.lax import create_token_p
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
+
+from ._lowering import Handle, emit, lowering_into_main, out_avals
 
 __all__ = [
     "VERIFIED_JAXLIB",
@@ -73,78 +75,6 @@ def fast_path() -> bool:
     )
 
 
-class Handle:
-    """An MPI object as a primitive parameter: hashable by its C handle, as jit requires."""
-
-    def __init__(self, obj: Any) -> None:
-        from mpi4py import MPI
-
-        self.obj = obj
-        handle = MPI._handleof(obj)  # pyright: ignore[reportAttributeAccessIssue]
-        # MPICH's handles are 32-bit signed: mpi4py may hand them back sign-extended.
-        self.handle = handle - (1 << 64) if handle >= (1 << 63) else handle
-
-    def __hash__(self) -> int:
-        return hash(self.handle)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Handle) and other.handle == self.handle
-
-    def __repr__(self) -> str:
-        return f"Handle({self.handle})"
-
-
-# The predefined MPI datatype of each dtype that travels as it is (mpi4jax's choice too).
-_MPI_TYPES = {
-    "float32": "FLOAT", "float64": "DOUBLE", "complex64": "COMPLEX",
-    "complex128": "DOUBLE_COMPLEX", "bool": "BOOL",
-    "int8": "INT8_T", "int16": "INT16_T", "int32": "INT32_T", "int64": "INT64_T",
-    "uint8": "UINT8_T", "uint16": "UINT16_T", "uint32": "UINT32_T", "uint64": "UINT64_T",
-}  # fmt: skip
-
-
-def _dtype_handle(dtype: Any) -> np.int64:
-    from mpi4py import MPI
-
-    return np.int64(Handle(getattr(MPI, _MPI_TYPES[np.dtype(dtype).name])).handle)
-
-
-# What each collective's FFI target takes besides the buffer, from the primitive's params.
-def _attrs(kind: str, params: dict[str, Any]) -> dict[str, Any]:
-    attrs = {"comm": np.int64(params["comm"].handle)}
-    if kind in ("allreduce", "reduce"):
-        attrs["op"] = np.int64(params["op"].handle)
-    if kind in ("bcast", "reduce"):
-        attrs["root"] = np.int64(params["root"])
-    return attrs
-
-
-_TARGETS = {"allreduce": "mpi_allreduce_ffi", "bcast": "mpi_bcast_ffi", "reduce": "mpi_reduce_ffi"}
-
-
-def _emit(
-    ctx: Any, token: Any, xs: Sequence[Any], avals: tuple[Any, Any], *, kind: str, params: Any
-) -> tuple[Any, list[Any]]:
-    """One side-effecting custom call per buffer, each taking the previous call's token."""
-    from jax._src.core import abstract_token
-
-    rule = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True)
-    attrs = _attrs(kind, params)
-    outs = []
-    for x, aval_in, aval_out in zip(xs, *avals, strict=True):
-        sub = ctx.replace(avals_in=(aval_in, abstract_token), avals_out=(aval_out, abstract_token))
-        nitems = np.int64(np.prod(aval_in.shape, dtype=np.int64))
-        out, token = rule(sub, x, token, nitems=nitems, dtype=_dtype_handle(aval_in.dtype), **attrs)
-        outs.append(out)
-    return token, outs
-
-
-def _out_avals(kind: str, avals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
-    """A broadcast's root and a reduce's non-roots get nothing back (their input stands)."""
-    empty = (kind == "bcast" and params["is_root"]) or (kind == "reduce" and not params["is_root"])
-    return [ShapedArray((0,) if empty else a.shape, a.dtype) for a in avals]
-
-
 # The two forms a collective takes once staged into a jaxpr. `chained`: no effect; it takes
 # the token of the collective staged before it in the same jit and returns its own, so the
 # custom calls form one chain in XLA:CPU's execution graph. `ordered`: mpi4jax's ordered
@@ -153,22 +83,13 @@ def _out_avals(kind: str, avals: Sequence[Any], params: dict[str, Any]) -> list[
 _chained_p = Primitive("jaxddp_chained")
 _chained_p.multiple_results = True
 _chained_p.def_abstract_eval(
-    lambda token, *xs, kind, **params: [abstract_token, *_out_avals(kind, xs, params)]
+    lambda token, *xs, kind, **params: [abstract_token, *out_avals(kind, xs, params)]
 )
 pe.dce_rules[_chained_p] = lambda used, eqn: ([True] * len(eqn.invars), eqn)
 
 
-def _lowering_into_main() -> bool:
-    """Whether ops are being emitted straight into the module's entry function."""
-    ir = mlir.ir
-    owner = ir.InsertionPoint.current.block.owner  # pyright: ignore[reportAttributeAccessIssue]
-    if owner.operation.name != "func.func":
-        return False
-    return ir.StringAttr(owner.attributes["sym_name"]).value == "main"
-
-
 def _lower_chained(ctx: Any, token: Any, *xs: Any, kind: str, **params: Any) -> list[Any]:
-    if not _lowering_into_main():
+    if not lowering_into_main():
         # A jitted function traced on its own (so chained) is being compiled inside another
         # computation: its chain would not be ordered with the caller's collectives.
         msg = (
@@ -179,7 +100,7 @@ def _lower_chained(ctx: Any, token: Any, *xs: Any, kind: str, **params: Any) -> 
             "into its caller."
         )
         raise NotImplementedError(msg)
-    token, outs = _emit(
+    token, outs = emit(
         ctx, token, xs, (ctx.avals_in[1:], ctx.avals_out[1:]), kind=kind, params=params
     )
     return [token, *outs]
@@ -196,7 +117,7 @@ def _ordered_abstract(*args: Any, kind: str, chained: bool, tangent: bool, **par
     from mpi4jax._src.utils import ordered_effect
 
     xs = args[1:] if chained else args
-    return _out_avals(kind, xs, params), {ordered_effect}
+    return out_avals(kind, xs, params), {ordered_effect}
 
 
 _ordered_p.def_effectful_abstract_eval(_ordered_abstract)
@@ -211,7 +132,7 @@ def _lower_ordered(
         token, xs, avals_in = args[0], args[1:], ctx.avals_in[1:]
     else:
         token, xs, avals_in = ctx.tokens_in.get(ordered_effect), args, ctx.avals_in
-    token, outs = _emit(ctx, token, xs, (avals_in, ctx.avals_out), kind=kind, params=params)
+    token, outs = emit(ctx, token, xs, (avals_in, ctx.avals_out), kind=kind, params=params)
     ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
     return outs
 
@@ -226,6 +147,34 @@ def _transpose_tangent(cts: Any, *args: Any, chained: bool, tangent: bool, **par
 
 
 ad.primitive_transposes[_ordered_p] = _transpose_tangent
+
+
+# Transformations of a jaxpr that is already staged (a cached jit called under grad or
+# vmap) see the staged forms: they differentiate and batch like the allreduce they came from.
+def _staged_jvp(p: Primitive, primals: Any, tangents: Any, **params: Any) -> Any:
+    from mpi4py import MPI
+
+    leading = 1 if p is _chained_p or params["chained"] else 0
+    if params["kind"] != "allreduce" or params["op"] != Handle(MPI.SUM):
+        msg = "jaxddp's collectives are differentiable only as allreduce with 'sum' or 'mean'."
+        raise NotImplementedError(msg)
+    outs = p.bind(*primals, **params)
+    xs = [ad.instantiate_zeros(t) for t in tangents[leading:]]
+    tangent_outs = _tangent_p.bind(*xs, op=params["op"], comm=params["comm"])
+    lead = [ad.Zero(o.aval.to_tangent_aval()) for o in outs[:leading]]
+    return outs, [*lead, *tangent_outs]
+
+
+def _staged_batcher(p: Primitive, args: Any, dims: Any, **params: Any) -> Any:
+    if params["kind"] != "allreduce":
+        msg = f"jaxddp's {params['kind']} cannot be batched with vmap."
+        raise NotImplementedError(msg)
+    return p.bind(*args, **params), list(dims)
+
+
+for _staged in (_chained_p, _ordered_p):
+    ad.primitive_jvps[_staged] = functools.partial(_staged_jvp, _staged)
+    batching.primitive_batchers[_staged] = functools.partial(_staged_batcher, _staged)
 
 
 for _platform in ("cpu", "cuda", "rocm"):
@@ -332,7 +281,7 @@ class _Collective(Primitive):
 def _collective(kind: str, *, tangent: bool = False) -> _Collective:
     p = _Collective(kind, tangent=tangent)
     p.def_impl(functools.partial(dispatch.apply_primitive, p))
-    p.def_abstract_eval(lambda *xs, **params: _out_avals(kind, xs, params))
+    p.def_abstract_eval(lambda *xs, **params: out_avals(kind, xs, params))
     return p
 
 

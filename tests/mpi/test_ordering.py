@@ -251,3 +251,19 @@ def test_large_buffers_reduced_repeatedly_in_a_loop_every_element_checked(n):
     for _ in range(3):
         per_rank = per_rank.sum(0) - per_rank
     np.testing.assert_array_equal(np.asarray(step(x)), per_rank[rank].astype(np.float32))
+
+
+def test_a_staged_step_under_grad_jvp_and_vmap():
+    # a jitted function called under a transformation is differentiated or batched in the
+    # form it was staged in
+    f = jax.jit(lambda x: jaxddp.allreduce(x * x, op="sum").sum())
+    x = jnp.arange(3.0) + rank
+    assert float(f(x)) == sum(float(((np.arange(3.0) + r) ** 2).sum()) for r in range(size))
+    # mpi4jax's definition: the cotangent passes the reduction unchanged
+    np.testing.assert_array_equal(jax.grad(f)(x), 2 * x)
+    _, tangent = jax.jvp(f, (x,), (jnp.ones(3),))
+    assert float(tangent) == sum(float(2 * (np.arange(3.0) + r).sum()) for r in range(size))
+    g = jax.jit(lambda v: jaxddp.allreduce(v, op="sum"))
+    batched = jax.vmap(g)(jnp.stack([x, 2 * x]))
+    total = sum(np.arange(3.0) + r for r in range(size))
+    np.testing.assert_array_equal(batched, np.stack([total, 2 * total]))

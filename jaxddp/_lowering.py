@@ -1,0 +1,94 @@
+"""How jaxddp's collectives become XLA custom calls: the FFI targets mpi4jax registers,
+their attributes, and the token that chains one call to the next."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src.core import ShapedArray, abstract_token
+from jax.interpreters import mlir
+
+__all__ = ["Handle", "emit", "lowering_into_main", "out_avals"]
+
+
+class Handle:
+    """An MPI object as a primitive parameter: hashable by its C handle, as jit requires."""
+
+    def __init__(self, obj: Any) -> None:
+        from mpi4py import MPI
+
+        self.obj = obj
+        handle = MPI._handleof(obj)  # pyright: ignore[reportAttributeAccessIssue]
+        # MPICH's handles are 32-bit signed: mpi4py may hand them back sign-extended.
+        self.handle = handle - (1 << 64) if handle >= (1 << 63) else handle
+
+    def __hash__(self) -> int:
+        return hash(self.handle)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Handle) and other.handle == self.handle
+
+    def __repr__(self) -> str:
+        return f"Handle({self.handle})"
+
+
+# The predefined MPI datatype of each dtype that travels as it is (mpi4jax's choice too).
+_MPI_TYPES = {
+    "float32": "FLOAT", "float64": "DOUBLE", "complex64": "COMPLEX",
+    "complex128": "DOUBLE_COMPLEX", "bool": "BOOL",
+    "int8": "INT8_T", "int16": "INT16_T", "int32": "INT32_T", "int64": "INT64_T",
+    "uint8": "UINT8_T", "uint16": "UINT16_T", "uint32": "UINT32_T", "uint64": "UINT64_T",
+}  # fmt: skip
+
+
+def _dtype_handle(dtype: Any) -> np.int64:
+    from mpi4py import MPI
+
+    return np.int64(Handle(getattr(MPI, _MPI_TYPES[np.dtype(dtype).name])).handle)
+
+
+# What each collective's FFI target takes besides the buffer, from the primitive's params.
+def _attrs(kind: str, params: dict[str, Any]) -> dict[str, Any]:
+    attrs = {"comm": np.int64(params["comm"].handle)}
+    if kind in ("allreduce", "reduce"):
+        attrs["op"] = np.int64(params["op"].handle)
+    if kind in ("bcast", "reduce"):
+        attrs["root"] = np.int64(params["root"])
+    return attrs
+
+
+_TARGETS = {"allreduce": "mpi_allreduce_ffi", "bcast": "mpi_bcast_ffi", "reduce": "mpi_reduce_ffi"}
+
+
+def emit(
+    ctx: Any, token: Any, xs: Sequence[Any], avals: tuple[Any, Any], *, kind: str, params: Any
+) -> tuple[Any, list[Any]]:
+    """One side-effecting custom call per buffer, each taking the previous call's token."""
+
+    rule = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True)
+    attrs = _attrs(kind, params)
+    outs = []
+    for x, aval_in, aval_out in zip(xs, *avals, strict=True):
+        sub = ctx.replace(avals_in=(aval_in, abstract_token), avals_out=(aval_out, abstract_token))
+        nitems = np.int64(np.prod(aval_in.shape, dtype=np.int64))
+        out, token = rule(sub, x, token, nitems=nitems, dtype=_dtype_handle(aval_in.dtype), **attrs)
+        outs.append(out)
+    return token, outs
+
+
+def out_avals(kind: str, avals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """A broadcast's root and a reduce's non-roots get nothing back (their input stands)."""
+    empty = (kind == "bcast" and params["is_root"]) or (kind == "reduce" and not params["is_root"])
+    return [ShapedArray((0,) if empty else a.shape, a.dtype) for a in avals]
+
+
+def lowering_into_main() -> bool:
+    """Whether ops are being emitted straight into the module's entry function."""
+    ir = mlir.ir
+    owner = ir.InsertionPoint.current.block.owner  # pyright: ignore[reportAttributeAccessIssue]
+    if owner.operation.name != "func.func":
+        return False
+    return ir.StringAttr(owner.attributes["sym_name"]).value == "main"
