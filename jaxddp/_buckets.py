@@ -11,7 +11,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "MPI_DTYPES", "plan", "wire_dtype"]
+__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "MPI_DTYPES", "plan", "split", "wire_dtype"]
 
 # Leaves of at least this many bytes travel alone; smaller ones of one dtype are packed into
 # flat buckets of up to BUCKET_BYTES, so that a tree of many small leaves costs a few MPI
@@ -66,3 +66,13 @@ def plan(leaves: list[Any]) -> list[list[int]]:
         open_bucket[leaf.dtype] = (bucket, filled + nbytes)
     groups.extend(bucket for bucket, _ in open_bucket.values())
     return groups
+
+
+def split(flat: Any, like: list[Any]) -> list[Any]:
+    """A flat buffer (NumPy or jax) cut back into pieces shaped as the arrays of ``like``,
+    which were packed into it in order."""
+    pieces, offset = [], 0
+    for x in like:
+        pieces.append(flat[offset : offset + x.size].reshape(x.shape))
+        offset += x.size
+    return pieces

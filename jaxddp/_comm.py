@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _host, _primitive
-from ._buckets import plan, wire_dtype
+from ._buckets import plan, split, wire_dtype
 from ._world import (
     init,
     jax_comm,
@@ -94,14 +94,9 @@ def _fused(leaves: list[jax.Array], collective: Any, *, arithmetic: bool) -> lis
     ]
     out: list[Any] = list(wire)  # empty leaves stay as they are
     for group, flat in zip(groups, collective(buffers), strict=True):
-        if len(group) == 1:
-            out[group[0]] = flat
-            continue
-        offset = 0
-        for i in group:
-            n = wire[i].size
-            out[i] = flat[offset : offset + n].reshape(wire[i].shape)
-            offset += n
+        pieces = [flat] if len(group) == 1 else split(flat, [wire[i] for i in group])
+        for i, piece in zip(group, pieces, strict=True):
+            out[i] = piece
     return [_from_wire(x, like, arithmetic) for x, like in zip(out, leaves, strict=True)]
 
 

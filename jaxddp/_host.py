@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._buckets import ALONE_BYTES, MPI_DTYPES, plan, wire_dtype
+from ._buckets import ALONE_BYTES, MPI_DTYPES, plan, split, wire_dtype
 
 __all__ = ["allreduce", "broadcast", "reduce"]
 
@@ -44,13 +44,9 @@ def _apply(
     for group in plan(wire):
         buffer = np.concatenate([wire[i].ravel() for i in group])  # a writable copy
         call(buffer)
-        if not receive:
-            continue
-        offset = 0
-        for i in group:
-            n = wire[i].size
-            out[i] = buffer[offset : offset + n].reshape(wire[i].shape)
-            offset += n
+        if receive:
+            for i, piece in zip(group, split(buffer, [wire[i] for i in group]), strict=True):
+                out[i] = piece
     return [_unwire(x, d, arithmetic) for x, d in zip(out, dtypes, strict=True)]
 
 
@@ -64,11 +60,7 @@ def allreduce(leaves: list[np.ndarray], op: Any, comm: Any) -> list[np.ndarray]:
         buffer = np.concatenate([x.ravel() for x in leaves])
         if buffer.nbytes < ALONE_BYTES:
             comm.Allreduce(MPI.IN_PLACE, buffer, op)
-            out, offset = [], 0
-            for x in leaves:
-                out.append(buffer[offset : offset + x.size].reshape(x.shape))
-                offset += x.size
-            return out
+            return split(buffer, leaves)
     return _apply(leaves, lambda b: comm.Allreduce(MPI.IN_PLACE, b, op), arithmetic=True)
 
 
