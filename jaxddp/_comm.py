@@ -172,14 +172,21 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
         leaves = [np.asarray(x) for x in leaves]
         if size > 1:
             leaves = _host.allreduce(leaves, mpi_op, host_comm)
+    elif size > 1:
+
+        def reduce(buffers: list[jax.Array]) -> list[jax.Array]:
+            out = _primitive.allreduce_many(buffers, mpi_op, jax_comm)
+            if op != "mean":
+                return out
+            # one division per buffer, before it is cut back into leaves
+            return [b / size if jnp.issubdtype(b.dtype, jnp.inexact) else b for b in out]
+
+        leaves = _fused([jnp.asarray(x) for x in leaves], reduce, arithmetic=True)
+        if op == "mean":  # integer and boolean leaves: their float32 mean
+            leaves = [x if jnp.issubdtype(x.dtype, jnp.inexact) else _mean(x, size) for x in leaves]
+        return jax.tree_util.tree_unflatten(treedef, leaves)
     else:
         leaves = [jnp.asarray(x) for x in leaves]
-        if size > 1:
-            leaves = _fused(
-                leaves,
-                lambda bs: _primitive.allreduce_many(bs, mpi_op, jax_comm),
-                arithmetic=True,
-            )
     if op == "mean":
         leaves = [_mean(x, size) for x in leaves]
     return jax.tree_util.tree_unflatten(treedef, leaves)
