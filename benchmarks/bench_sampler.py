@@ -5,10 +5,10 @@
 
 The baseline is ``numpy.random.default_rng(seed).permutation(N)``, the least any shuffled
 sampler must do. A sample of the sampler is one rank's whole epoch: building the sampler,
-``set_epoch`` and ``indices()`` (which returns a copy of the rank's block), for a new epoch
+``set_epoch`` and ``indices()`` (which returns a copy of the rank's shard), for a new epoch
 each time so that nothing is cached; the rank cycles through all of them. Baseline and
 sampler alternate, so drift on a shared machine hits both alike; the figures are medians.
-A second case, N + 1, has padding (the last rank's block wraps around).
+A second case, N + 1, has padding (the order wraps around).
 
 Memory is measured separately with tracemalloc (numpy reports its buffers to it): the peak
 while one rank computes its epoch, and the peak while it then iterates over all its batches,
@@ -84,7 +84,7 @@ def memory(n: int, replicas: int, seed: int, batch_size: int) -> dict[str, objec
     """Peak bytes traced while computing one rank's epoch, then while iterating its batches."""
     sampler = DistributedSampler(n, num_replicas=replicas, rank=replicas - 1, seed=seed)
     tracemalloc.start()
-    sampler.indices()  # computes and caches the rank's block, then copies it
+    sampler.indices()  # computes and caches the rank's shard, then copies it
     _, epoch_peak = tracemalloc.get_traced_memory()
     tracemalloc.reset_peak()
     before, _ = tracemalloc.get_traced_memory()

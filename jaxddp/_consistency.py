@@ -5,9 +5,10 @@ different MPI operations and wait for each other forever. :func:`check_same_tree
 a digest of every rank's tree (paths, shapes, dtypes: never values) and, on a difference,
 raises :class:`TreeMismatchError` on every rank naming the first differing path.
 
-Every such check (the tree check, :func:`synchronize`, the sampler's argument check) goes
-through :func:`gather_with_deadline`: a rank that never arrives makes the others raise within
-``JAXDDP_CHECK_TIMEOUT`` seconds instead of waiting forever.
+Every such check (the tree check, :func:`synchronize`, the sampler's checks of its
+arguments and of a loaded state) goes through :func:`gather_with_deadline`: a rank that
+never arrives makes the others raise within ``JAXDDP_CHECK_TIMEOUT`` seconds instead of
+waiting forever.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "TreeMismatchError",
     "check_same_tree",
     "check_sampler_arguments",
+    "check_sampler_states",
     "describe_tree",
     "gather_with_deadline",
     "synchronize",
@@ -180,6 +182,40 @@ def check_same_tree(
     raise TreeMismatchError(_explain(descriptions, what))
 
 
+def _gather_or_errors(
+    private: Any, mine: Any, problem: Exception | None, *, what: str, expected: str
+) -> list[Any] | None:
+    """Every rank's ``mine``, or this rank's error text where it raised ``problem``.
+
+    Returns None on a rank that raised (it raises its own error next) and raises ValueError
+    on the others when any rank raised, naming each rank's error.
+    """
+    sent: Any = mine if problem is None else f"{type(problem).__name__}: {problem}"
+    everyone = gather_with_deadline(private, sent, what=what, error=TimeoutError)
+    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, str)}
+    if not failed:
+        return everyone
+    if problem is not None:
+        return None
+    details = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
+    msg = (
+        f"Expected every rank to {expected}, got errors on {len(failed)} of "
+        f"{len(everyone)} ranks instead ({details})."
+    )
+    raise ValueError(msg)
+
+
+def _differences(everyone: list[Any], names: tuple[str, ...]) -> list[str]:
+    """``name (rank 0: value, ...)`` for each field of the ranks' tuples that differs."""
+    differing = []
+    for i, name in enumerate(names):
+        values = [v[i] for v in everyone]
+        if any(v != values[0] for v in values):
+            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            differing.append(f"{name} ({per_rank})")
+    return differing
+
+
 def check_sampler_arguments(
     mine: tuple[int, int, int, bool, bool, int] | None, problem: Exception | None, comm: Any
 ) -> None:
@@ -195,27 +231,17 @@ def check_sampler_arguments(
     size = private.Get_size()
     if size == 1:
         return
-    sent: Any = mine if problem is None else f"{type(problem).__name__}: {problem}"
-    everyone = gather_with_deadline(
-        private, sent, what="arguments of `DistributedSampler`", error=TimeoutError
+    everyone = _gather_or_errors(
+        private,
+        mine,
+        problem,
+        what="arguments of `DistributedSampler`",
+        expected="build `DistributedSampler` from valid arguments",
     )
-    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, str)}
-    if failed:
-        if problem is not None:
-            return  # this rank raises its own error
-        details = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
-        msg = (
-            f"Expected every rank to build `DistributedSampler` from valid arguments, got "
-            f"errors on {len(failed)} of {size} ranks instead ({details})."
-        )
-        raise ValueError(msg)
+    if everyone is None:
+        return  # this rank raises its own error
     names = ("`data` size", "`num_replicas`", "`seed`", "`shuffle`", "`drop_last`")
-    differing = []
-    for i, name in enumerate(names):
-        values = [v[i] for v in everyone]
-        if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            differing.append(f"{name} ({per_rank})")
+    differing = _differences(everyone, names)
     if differing:
         msg = (
             "Expected every rank to pass the same `data` size, `num_replicas`, `seed`, "
@@ -233,6 +259,40 @@ def check_sampler_arguments(
             f"`rank` values that leave shards {unread} to no rank instead ({per_rank}): those "
             "samples would silently never be seen. Leave `num_replicas` and `rank` to their "
             "defaults, or pass both explicitly."
+        )
+        raise ValueError(msg)
+
+
+def check_sampler_states(
+    mine: tuple[int, int] | None, problem: Exception | None, comm: Any
+) -> None:
+    """Checks, collectively, that every rank loaded the same state into its sampler.
+
+    ``mine`` is this rank's loaded ``(epoch, position)``, ``None`` when its state raised
+    ``problem``. Every rank of ``comm`` (the world when ``None``) must call this. Raises
+    ValueError on every rank when a rank's state was invalid or differs from the others',
+    and TimeoutError when some rank does not arrive within ``JAXDDP_CHECK_TIMEOUT`` seconds.
+    """
+    private = _world.check_comm(comm)
+    if private.Get_size() == 1:
+        return
+    everyone = _gather_or_errors(
+        private,
+        mine,
+        problem,
+        what="states loaded by `DistributedSampler.load_state_dict`",
+        expected="load a valid state into `DistributedSampler`",
+    )
+    if everyone is None:
+        return  # this rank raises its own error
+    differing = _differences(everyone, ("`epoch`", "`position`"))
+    if differing:
+        msg = (
+            "Expected every rank to load the same state into `DistributedSampler`, got "
+            f"different ones instead: {'; '.join(differing)}. Load one saved state on every "
+            "rank (the state is the same on all ranks of the run that saved it: save rank "
+            "0's); ranks at different positions would take different numbers of steps and "
+            "wait for each other forever."
         )
         raise ValueError(msg)
 

@@ -1,14 +1,17 @@
-"""A sharded sampler that gives every rank the same number of samples and of batches.
+"""A sharded sampler under which W ranks with batch B see one process's batches of W*B.
 
 When the number of samples does not divide by the number of ranks, a naive split gives the
 last rank fewer batches: it leaves the training loop early and the other ranks wait forever
 in their next allreduce. :class:`DistributedSampler` pads the order by wrapping around from
 its start, so that every rank gets the same count, and returns a mask that is False exactly
-at the padding duplicates, so that metrics stay exact (see :func:`jaxddp.masked_mean`).
+at the padding duplicates, so that metrics stay exact (see :func:`jaxddp.masked_mean`). It
+deals the order out like cards (rank ``r`` takes entries ``r, r + W, ...``), so that at every
+step the ranks' batches together are the batch of one process with ``W`` times the batch
+size, and a position in that global order resumes on any number of ranks.
 
 Everything a rank needs is a pure function of ``(N, num_replicas, rank, seed, epoch,
-shuffle, drop_last)``; MPI is used only once, to check that every rank passed the same
-arguments.
+shuffle, drop_last)`` (in ``_shards``); MPI is used only to check that every rank passed
+the same arguments, and loaded the same state.
 """
 
 from __future__ import annotations
@@ -16,52 +19,57 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
-import numpy as np
-
+from . import _shards
 from ._shards import IndexArray, MaskArray
 from ._shards import boolean as _boolean
-from ._shards import data_size as _data_size
 from ._shards import integer as _integer
-from ._shards import per_rank as _per_rank
-from ._shards import same_setting as _same_setting
-from ._shards import shard as _shard
 
 __all__ = ["DistributedSampler"]
 
-# Keys of a state dict besides "epoch" and "position": a state only fits a sampler that
-# agrees on all of them.
-_STATE_CONFIG = ("data_size", "num_replicas", "seed", "shuffle", "drop_last")
+# Entries past its end that a rank's cached shard holds at least: the fill of a short last
+# batch, so that iterating over batches of up to this size allocates nothing of size N.
+_REACH = 1024
 
 
 class DistributedSampler:
-    """Shards sample indices across ranks so that every rank gets the same number of samples.
+    """Shards sample indices across ranks so that W ranks see one process's batches.
 
     The epoch's order is ``range(N)``, or when ``shuffle`` the permutation
-    ``numpy.random.default_rng([seed, epoch]).permutation(N)``, identical on every rank. It
-    is extended by wrapping around from its start to ``s * num_replicas`` entries, where
-    ``s = ceil(N / num_replicas)``, and rank ``r`` takes the contiguous block
-    ``[r*s, (r+1)*s)``. So every rank has ``s`` samples and, for any batch size, the same
-    number of batches: no rank leaves the loop early while the others wait in an allreduce.
-    :meth:`mask` is False exactly at the wrapped duplicates, so that the masks of all ranks
-    together count each sample once (see :func:`jaxddp.masked_mean` for exact metrics).
-    With ``drop_last=True`` every rank takes ``floor(N / num_replicas)`` samples instead and
-    the tail of the order is dropped (the mask is all True).
+    ``numpy.random.default_rng([seed, epoch]).permutation(N)``, identical on every rank and
+    independent of their number. The *padded order* repeats it without end: position ``g``
+    holds ``order[g % N]``, and is real (mask True) exactly when ``g < N``. Rank ``r`` of
+    ``W`` takes positions ``r, r + W, r + 2W, ...``: ``s = ceil(N / W)`` samples per epoch,
+    the same on every rank, so for any batch size every rank has the same number of
+    batches and none leaves the loop early while the others wait in an allreduce.
+
+    Batch ``k`` of size ``B`` on rank ``r`` is positions ``(k*B + i) * W + r`` for ``i`` in
+    ``range(B)``: over all ranks, positions ``[k*W*B, (k+1)*W*B)``, which is batch ``k`` of
+    one process with batch size ``W * B``, the same indices and masks, interleaved
+    (``one_process_batch.reshape(B, W)[:, r]``). That holds for the last, short batch too:
+    its positions past ``N`` hold wrapped copies with mask False, as in one process, so the
+    real samples of every step are one process's and no sample counts twice. Runs on
+    different numbers of ranks thus train on the same global batches, and
+    :func:`jaxddp.masked_mean` over them is one process's mean. With ``drop_last=True`` the
+    order is cut to its first ``L = floor(N / W) * W`` entries instead of being padded, and
+    positions repeat those.
 
     When ``comm`` is given, or ``num_replicas`` or ``rank`` is taken from the MPI world, the
-    constructor is a collective over ``comm`` (the world by default): every rank of it must
-    construct its sampler, and it checks once that every rank passed the same N, ``seed``,
-    ``shuffle`` and ``drop_last`` (otherwise samples would silently be duplicated and
-    skipped), raising ValueError on every rank if not. A rank that never constructs its
-    sampler makes the others raise TimeoutError after ``JAXDDP_CHECK_TIMEOUT`` seconds
-    instead of waiting forever. With ``num_replicas`` and ``rank`` given explicitly and no
-    ``comm``, the sampler is a pure computation that never touches MPI.
+    sampler is collective over ``comm`` (the world by default): every rank of it must
+    construct its sampler and call :meth:`load_state_dict`. The constructor checks once that
+    every rank passed the same N, ``seed``, ``shuffle`` and ``drop_last`` (otherwise samples
+    would silently be duplicated and skipped), raising ValueError on every rank if not. A
+    rank that never arrives makes the others raise TimeoutError after
+    ``JAXDDP_CHECK_TIMEOUT`` seconds instead of waiting forever. With ``num_replicas`` and
+    ``rank`` given explicitly and no ``comm``, the sampler is a pure computation that never
+    touches MPI.
 
     Iterating over the sampler, or over :meth:`batches`, is a *pass* over the epoch. A pass
-    advances the position (this rank's samples of the epoch handed out so far) as it yields,
-    so a :meth:`state_dict` taken after the step on a batch has that batch counted. A new
-    pass starts at the epoch's beginning, except the first pass after
-    :meth:`load_state_dict`, which continues with the next sample: no sample skipped, none
-    repeated. :meth:`set_epoch` with a new epoch starts that epoch at position 0.
+    advances the position (the samples of the epoch's global order handed out so far, on
+    all ranks together) as it yields, so a :meth:`state_dict` taken after the step on a
+    batch has that batch counted. A new pass starts at the epoch's beginning, except the
+    first pass after :meth:`load_state_dict`, which continues with the next sample: no
+    sample skipped, none repeated, on this or another number of ranks.
+    :meth:`set_epoch` with a new epoch starts that epoch at position 0.
 
     Args:
       data: the number of samples N (an int), or any object with ``len()``.
@@ -72,19 +80,19 @@ class DistributedSampler:
       drop_last: whether to drop the tail of the order instead of padding it. Requires
         ``N >= num_replicas``, since otherwise every rank would get nothing.
       comm: an mpi4py communicator whose ranks share the data; by default the MPI world.
-        The argument check runs over its ranks only, on a private duplicate of it.
+        The checks run over its ranks only, on a private duplicate of it.
 
     Example:
       >>> import jaxddp
       >>> sampler = jaxddp.DistributedSampler(7, num_replicas=2, rank=1, shuffle=False)
-      >>> len(sampler), list(sampler)
-      (4, [4, 5, 6, 0])
+      >>> len(sampler), list(sampler)  # positions 1, 3, 5 and 7, which wraps to index 0
+      (4, [1, 3, 5, 0])
       >>> sampler.mask().tolist()  # index 0 is rank 0's: here it is only padding
       [True, True, True, False]
-      >>> for indices, mask in sampler.batches(3):
+      >>> for indices, mask in sampler.batches(3):  # rank 0 has [0, 2, 4] and [6, 1, 3]
       ...     print(indices.tolist(), mask.tolist())
-      [4, 5, 6] [True, True, True]
-      [0, 4, 5] [False, False, False]
+      [1, 3, 5] [True, True, True]
+      [0, 2, 4] [False, False, False]
     """
 
     def __init__(
@@ -111,25 +119,16 @@ class DistributedSampler:
         # on some ranks only would leave the others waiting in that collective forever.
         problem: Exception | None = None
         try:
-            self._n = _data_size(data)
-            self._num_replicas = _integer("num_replicas", num_replicas, minimum=1)
-            self._rank = _integer("rank", rank, minimum=0)
-            if self._rank >= self._num_replicas:
-                msg = (
-                    f"Expected `rank` to be in [0, {self._num_replicas}) for "
-                    f"`num_replicas={self._num_replicas}`, got {self._rank} instead."
-                )
-                raise ValueError(msg)
-            self._shuffle = _boolean("shuffle", shuffle)
-            self._seed = _integer("seed", seed, minimum=0)
-            self._drop_last = _boolean("drop_last", drop_last)
-            if self._drop_last and self._n < self._num_replicas:
-                msg = (
-                    f"Expected at least `num_replicas={self._num_replicas}` samples with "
-                    f"`drop_last=True`, got `data` with {self._n} samples instead: every rank "
-                    "would get nothing. Pass `drop_last=False` to pad with wrapped copies."
-                )
-                raise ValueError(msg)
+            arguments = _shards.arguments(
+                data,
+                num_replicas=num_replicas,
+                rank=rank,
+                shuffle=shuffle,
+                seed=seed,
+                drop_last=drop_last,
+            )
+            self._n, self._num_replicas, self._rank = arguments[:3]
+            self._shuffle, self._seed, self._drop_last = arguments[3:]
         except (TypeError, ValueError) as exc:
             problem = exc
         if collective:
@@ -142,10 +141,12 @@ class DistributedSampler:
             check_sampler_arguments(mine, problem, comm)
         if problem is not None:
             raise problem
-        self._s = _per_rank(self._n, self._num_replicas, self._drop_last)
+        self._comm = comm if collective else False  # False: a pure sampler, no checks
+        self._s = _shards.per_rank(self._n, self._num_replicas, self._drop_last)
         self._epoch = 0
-        self._position = 0  # this rank's samples of the epoch handed out by the latest pass
+        self._position = 0  # the epoch's global samples handed out by the latest pass
         self._resume = False  # whether the next pass continues at `_position` (after a load)
+        self._reach = _REACH  # entries past the shard's end that the cache holds
         self._cache: tuple[int, IndexArray, MaskArray] | None = None
 
     # -- the shard ------------------------------------------------------------------------
@@ -174,11 +175,17 @@ class DistributedSampler:
         """The number of samples of this rank per epoch, identical on every rank."""
         return self._s
 
-    def _shard(self) -> tuple[IndexArray, MaskArray]:
-        """This epoch's indices and mask, computed once per epoch and kept read-only."""
+    def _shard(self, reach: int = 0) -> tuple[IndexArray, MaskArray]:
+        """This epoch's entries and mask, and at least ``reach`` more past the shard's end.
+
+        Computed once per epoch (again only for a longer reach) and kept read-only.
+        """
+        if reach > self._reach:
+            self._reach = reach
+            self._cache = None
         if self._cache is None or self._cache[0] != self._epoch:
             self._cache = None  # let the previous epoch's arrays go first
-            indices, mask = _shard(
+            indices, mask = _shards.shard(
                 self._n,
                 self._num_replicas,
                 self._rank,
@@ -186,6 +193,7 @@ class DistributedSampler:
                 epoch=self._epoch,
                 shuffle=self._shuffle,
                 drop_last=self._drop_last,
+                extra=self._reach,
             )
             indices.setflags(write=False)
             mask.setflags(write=False)
@@ -197,7 +205,7 @@ class DistributedSampler:
 
         The whole epoch, whatever the position of a pass.
         """
-        return self._shard()[0].copy()
+        return self._shard()[0][: self._s].copy()
 
     def mask(self) -> MaskArray:
         """A bool array aligned with :meth:`indices`: False exactly at padding duplicates.
@@ -205,7 +213,7 @@ class DistributedSampler:
         Summed over all ranks, the masks count N (fewer with ``drop_last=True``, which
         drops samples instead of padding).
         """
-        return self._shard()[1].copy()
+        return self._shard()[1][: self._s].copy()
 
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose order is used; call it with the same epoch on every rank.
@@ -223,10 +231,15 @@ class DistributedSampler:
     # -- passes ---------------------------------------------------------------------------
 
     def _start_pass(self) -> int:
-        start = self._position if self._resume else 0
+        """This rank's first entry of the pass: 0, or the loaded position's."""
+        position = self._position if self._resume else 0
         self._resume = False
-        self._position = start
-        return start
+        self._position = position
+        return self._s if position >= self._n else position // self._num_replicas
+
+    def _handed_out(self, entries: int) -> int:
+        """The global position once every rank has handed out ``entries``: N at the end."""
+        return entries * self._num_replicas if entries < self._s else self._n
 
     def __iter__(self) -> Iterator[int]:
         """Yields this rank's indices of the epoch as Python ints, from the position on."""
@@ -235,9 +248,9 @@ class DistributedSampler:
         return self._iterate(indices, start)
 
     def _iterate(self, indices: IndexArray, start: int) -> Iterator[int]:
-        for position in range(start, len(indices)):
-            self._position = position + 1
-            yield int(indices[position])
+        for entry in range(start, self._s):
+            self._position = self._handed_out(entry + 1)
+            yield int(indices[entry])
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
         """The number of batches of a whole epoch, identical on every rank.
@@ -247,26 +260,38 @@ class DistributedSampler:
           drop_last: as in :meth:`batches`.
 
         Returns:
-          ``ceil(len(self) / batch_size)``, or ``floor`` with ``drop_last``.
+          ``ceil(len(self) / batch_size)``, which is ``ceil(N / (W * batch_size))``; with
+          ``drop_last``, ``floor(N / (W * batch_size))``, the batches without padding.
         """
         batch_size = _integer("batch_size", batch_size, minimum=1)
         drop_last = _boolean("drop_last", drop_last)
-        return self._s // batch_size if drop_last else -(-self._s // batch_size)
+        return self._count(0, batch_size, drop_last)
+
+    def _count(self, start: int, batch_size: int, drop_short: bool) -> int:
+        return _shards.batch_count(
+            self._n,
+            self._num_replicas,
+            start,
+            batch_size,
+            drop_last=self._drop_last,
+            drop_short=drop_short,
+        )
 
     def batches(
         self, batch_size: int, *, drop_last: bool = False
     ) -> Iterator[tuple[IndexArray, MaskArray]]:
         """Yields ``(indices, mask)`` pairs of exactly ``batch_size`` entries each.
 
-        Every rank yields the same number of batches. A short last batch is padded to
-        ``batch_size`` with this rank's first indices of the epoch (valid indices, so that
-        ``data[indices]`` works) whose mask is False, so a jitted step sees one shape and
-        never recompiles. The mask is also False at the sampler's own padding duplicates.
+        Every rank yields the same number of batches, and batch ``k`` of all ranks together
+        is batch ``k`` of one process with batch size ``W * batch_size``. A short last batch
+        continues the padded order past its end (valid indices, so that ``data[indices]``
+        works) with mask False, so a jitted step sees one shape and never recompiles.
 
         Args:
           batch_size: a positive integer.
-          drop_last: whether to drop a short last batch instead of padding it. Every rank
-            then yields ``floor(len(self) / batch_size)`` batches (at least one is required).
+          drop_last: whether to drop the last batch when some of its ``W * batch_size``
+            positions are padding. Every rank then yields ``floor(N / (W * batch_size))``
+            batches, with all of their masks True; at least one is required.
 
         Returns:
           An iterator over the rest of the pass: the epoch from the start, or from the
@@ -274,58 +299,45 @@ class DistributedSampler:
         """
         batch_size = _integer("batch_size", batch_size, minimum=1)
         drop_last = _boolean("drop_last", drop_last)
-        if drop_last and batch_size > self._s:
+        length = _shards.epoch_length(self._n, self._num_replicas, self._drop_last)
+        if drop_last and batch_size * self._num_replicas > length:
             msg = (
-                f"Expected `batch_size` to be at most the {self._s} samples of each rank with "
-                f"`drop_last=True`, got {batch_size} instead: every rank would get no batch. "
-                "Pass a smaller `batch_size` or `drop_last=False`."
+                f"Expected `batch_size` to be at most {length // self._num_replicas} with "
+                f"`drop_last=True`, so that {self._num_replicas} ranks' batches fit in the "
+                f"{length} samples of an epoch, got {batch_size} instead: every rank would get "
+                "no batch. Pass a smaller `batch_size` or `drop_last=False`."
             )
             raise ValueError(msg)
         start = self._start_pass()
-        indices, mask = self._shard()
-        return self._batches(indices, mask, start, batch_size, drop_last)
+        count = self._count(start, batch_size, drop_last)
+        indices, mask = self._shard(start + count * batch_size - self._s)
+        return self._batches(indices, mask, start, batch_size, count)
 
     def _batches(
-        self,
-        indices: IndexArray,
-        mask: MaskArray,
-        start: int,
-        batch_size: int,
-        drop_last: bool,
+        self, indices: IndexArray, mask: MaskArray, start: int, batch_size: int, count: int
     ) -> Iterator[tuple[IndexArray, MaskArray]]:
-        s = len(indices)
-        for begin in range(start, s, batch_size):
-            end = min(begin + batch_size, s)
-            if end - begin < batch_size:
-                if drop_last:
-                    return
-                fill = batch_size - (end - begin)
-                # valid indices, the rank's first ones (np.resize would copy the whole shard)
-                wrap = indices[np.arange(fill) % len(indices)]
-                batch_indices = np.concatenate([indices[begin:end], wrap])
-                batch_mask = np.zeros(batch_size, dtype=np.bool_)
-                batch_mask[: end - begin] = mask[begin:end]
-            else:
-                batch_indices = indices[begin:end].copy()
-                batch_mask = mask[begin:end].copy()
-            self._position = end
-            yield batch_indices, batch_mask
+        for k in range(count):
+            begin = start + k * batch_size
+            end = begin + batch_size
+            # the last batch ends the epoch, also when drop_last leaves a tail out
+            self._position = self._n if k == count - 1 else self._handed_out(end)
+            yield indices[begin:end].copy(), mask[begin:end].copy()
 
     # -- state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and position, plus the arguments a state only fits; identical on all ranks.
+        """The epoch and the global position, plus the settings a state only fits.
 
-        A dict of Python ints and bools (JSON-serializable): ``epoch``, ``position`` (this
-        rank's samples of the epoch handed out by the latest pass, the same on every rank),
-        and ``data_size``, ``num_replicas``, ``seed``, ``shuffle``, ``drop_last``, which
-        :meth:`load_state_dict` checks.
+        A dict of Python ints and bools (JSON-serializable), identical on all ranks:
+        ``epoch``, ``position`` (the samples of the epoch's global order that all ranks
+        together have handed out, N once the epoch is done), and ``data_size``, ``seed``,
+        ``shuffle``, ``drop_last``, which :meth:`load_state_dict` checks. The number of
+        ranks is not part of it: the state resumes on any number that divides the position.
         """
         return {
             "epoch": self._epoch,
             "position": self._position,
             "data_size": self._n,
-            "num_replicas": self._num_replicas,
             "seed": self._seed,
             "shuffle": self._shuffle,
             "drop_last": self._drop_last,
@@ -334,47 +346,47 @@ class DistributedSampler:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores :meth:`state_dict`: the next pass continues with the next sample.
 
+        The state may come from a run on another number of ranks ``W``: a run saved after
+        ``k`` steps of batch ``B`` is at position ``k * W * B``, which this sampler's
+        ``W'`` ranks can continue if ``W'`` divides it. Batches of size ``B'`` then cover
+        the rest of the global order from the position on; when ``W' * B' = W * B`` (the
+        same global batch) they are exactly the batches the uninterrupted run had left.
+        A state at the end of an epoch (position N) resumes on any number of ranks.
+
+        A collective over the sampler's communicator unless ``num_replicas`` and ``rank``
+        were given without ``comm``: every rank must call it, with the same state.
+
         Args:
           state: what :meth:`state_dict` returned, possibly from another process and
             restored by a checkpointing library (numpy scalars are fine).
 
         Raises:
-          ValueError: if the state comes from a sampler with another N, ``num_replicas``,
-            ``seed``, ``shuffle`` or ``drop_last``, or its position is out of range.
+          ValueError: if the state comes from a sampler with another N, ``seed``,
+            ``shuffle`` or ``drop_last``, if its position is out of range or not a multiple
+            of ``num_replicas``, or (on every rank) if the ranks loaded different states.
         """
-        if not isinstance(state, Mapping):
-            msg = (
-                "Expected `state` to be a dict from `DistributedSampler.state_dict()`, "
-                f"got {type(state).__name__} instead."
+        problem: Exception | None = None
+        loaded: tuple[int, int] | None = None
+        try:
+            loaded = _shards.resume_point(
+                state,
+                n=self._n,
+                num_replicas=self._num_replicas,
+                seed=self._seed,
+                shuffle=self._shuffle,
+                drop_last=self._drop_last,
             )
-            raise TypeError(msg)
-        missing = [k for k in ("epoch", "position", *_STATE_CONFIG) if k not in state]
-        if missing:
-            msg = (
-                "Expected `state` to be a dict from `DistributedSampler.state_dict()`, "
-                f"got one without {', '.join(map(repr, missing))} instead."
-            )
-            raise ValueError(msg)
-        mine = self.state_dict()
-        for key in _STATE_CONFIG:
-            if not _same_setting(state[key], mine[key]):
-                msg = (
-                    f"Expected a state with `{key}={mine[key]!r}` like this sampler's, got "
-                    f"`{key}={state[key]!r}` instead: a position only makes sense in the "
-                    "order it was taken from. Build the sampler with the same arguments as "
-                    "the run that saved the state."
-                )
-                raise ValueError(msg)
-        epoch = _integer("state['epoch']", state["epoch"], minimum=0)
-        position = _integer("state['position']", state["position"], minimum=0)
-        if position > self._s:
-            msg = (
-                f"Expected `state['position']` to be at most the {self._s} samples of each "
-                f"rank, got {position} instead."
-            )
-            raise ValueError(msg)
-        self._epoch = epoch
-        self._position = position
+        except (TypeError, ValueError) as exc:
+            problem = exc
+        if self._comm is not False:
+            # Every rank takes part even when its own state was bad: see __init__.
+            from ._consistency import check_sampler_states
+
+            check_sampler_states(loaded, problem, self._comm)
+        if problem is not None:
+            raise problem
+        assert loaded is not None
+        self._epoch, self._position = loaded
         self._resume = True
 
     def __repr__(self) -> str:

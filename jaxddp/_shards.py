@@ -7,19 +7,25 @@ shuffle, drop_last)``: no MPI, no state.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 __all__ = [
+    "STATE_SETTINGS",
     "IndexArray",
     "MaskArray",
+    "arguments",
+    "batch_count",
     "boolean",
     "data_size",
+    "epoch_length",
     "integer",
-    "order_block",
     "per_rank",
+    "rank_entries",
+    "resume_point",
     "same_setting",
     "shard",
 ]
@@ -101,32 +107,82 @@ def data_size(data: Any) -> int:
     return n
 
 
+def arguments(
+    data: Any, *, num_replicas: Any, rank: Any, shuffle: Any, seed: Any, drop_last: Any
+) -> tuple[int, int, int, bool, int, bool]:
+    """The sampler's arguments checked: ``(N, num_replicas, rank, shuffle, seed, drop_last)``."""
+    n = data_size(data)
+    num_replicas = integer("num_replicas", num_replicas, minimum=1)
+    rank = integer("rank", rank, minimum=0)
+    if rank >= num_replicas:
+        msg = (
+            f"Expected `rank` to be in [0, {num_replicas}) for `num_replicas={num_replicas}`, "
+            f"got {rank} instead."
+        )
+        raise ValueError(msg)
+    shuffle = boolean("shuffle", shuffle)
+    seed = integer("seed", seed, minimum=0)
+    drop_last = boolean("drop_last", drop_last)
+    if drop_last and n < num_replicas:
+        msg = (
+            f"Expected at least `num_replicas={num_replicas}` samples with `drop_last=True`, "
+            f"got `data` with {n} samples instead: every rank would get nothing. Pass "
+            "`drop_last=False` to pad with wrapped copies."
+        )
+        raise ValueError(msg)
+    return n, num_replicas, rank, shuffle, seed, drop_last
+
+
+def epoch_length(n: int, num_replicas: int, drop_last: bool) -> int:
+    """L, the real entries of an epoch's order: N, or ``floor(N / W) * W`` with drop_last."""
+    return n // num_replicas * num_replicas if drop_last else n
+
+
 def per_rank(n: int, num_replicas: int, drop_last: bool) -> int:
     """The number of samples each rank gets: ``ceil(N / W)``, or ``floor`` with drop_last."""
     return n // num_replicas if drop_last else -(-n // num_replicas)
 
 
-def order_block(
-    n: int, start: int, stop: int, *, seed: int, epoch: int, shuffle: bool
-) -> IndexArray:
-    """Entries ``[start, stop)`` of the epoch's order extended by wrapping around.
+def rank_entries(
+    n: int,
+    num_replicas: int,
+    rank: int,
+    start: int,
+    stop: int,
+    *,
+    seed: int,
+    epoch: int,
+    shuffle: bool,
+    drop_last: bool,
+) -> tuple[IndexArray, MaskArray]:
+    """Entries ``[start, stop)`` of one rank, with their mask; a pure function of its arguments.
 
-    Only this block is kept: the full permutation (when shuffling) is a temporary.
+    The epoch's order is ``range(N)`` or ``default_rng([seed, epoch]).permutation(N)``, of
+    which the first ``L`` entries are kept (see :func:`epoch_length`). The *padded order*
+    repeats them without end: position ``g`` holds ``order[g % L]``, real (mask True)
+    exactly when ``g < L``. Rank ``r`` of ``W`` takes positions ``r, r + W, r + 2W, ...``:
+    its entry ``j`` is position ``j * W + r``. So the ranks' entries ``j`` for ``j`` in
+    ``[k*B, (k+1)*B)``, interleaved, are positions ``[k*W*B, (k+1)*W*B)``: one process's
+    batch ``k`` of size ``W * B``, padding included. Only the entries asked for are kept: the
+    permutation (when shuffling) is a temporary.
     """
+    length = epoch_length(n, num_replicas, drop_last)
+    count = max(stop - start, 0)
+    first = start * num_replicas + rank  # the position of entry `start`
+    real = min(max(-(-(length - first) // num_replicas), 0), count)  # entries with g < L
+    mask = np.zeros(count, dtype=np.bool_)
+    mask[:real] = True
+    # the positions past L, whose indices wrap around (fewer than W of the shard's own)
+    wrapped = (first + num_replicas * np.arange(real, count, dtype=np.int64)) % length
     if not shuffle:
-        block = np.arange(start, stop, dtype=np.int64)
-        if stop > n:
-            block[max(n - start, 0) :] %= n  # only the wrapped tail
-        return block
+        head = np.arange(first, first + real * num_replicas, num_replicas, dtype=np.int64)
+        return np.concatenate([head, wrapped]), mask
     order = np.random.default_rng([seed, epoch]).permutation(n).astype(np.int64, copy=False)
-    if start == 0 and stop == n:
-        return order
-    if stop <= n:
-        return order[start:stop].copy()  # a copy, so that the permutation can be freed
-    if start >= n:  # only when N < num_replicas: a block of one entry
-        return order[np.arange(start, stop, dtype=np.int64) % n]
-    # the block's own part, then the wrapped padding (fewer than num_replicas entries)
-    return np.concatenate([order[start:], order[np.arange(stop - n, dtype=np.int64) % n]])
+    head = order[first : first + real * num_replicas : num_replicas]
+    if real == count:
+        # a copy, so that the permutation can be freed (unless the head is all of it)
+        return (head if head.size == n else head.copy()), mask
+    return np.concatenate([head, order[wrapped]]), mask
 
 
 def shard(
@@ -138,19 +194,117 @@ def shard(
     epoch: int,
     shuffle: bool,
     drop_last: bool,
+    extra: int = 0,
 ) -> tuple[IndexArray, MaskArray]:
-    """One rank's indices and mask for one epoch; a pure function of its arguments.
+    """One rank's indices and mask for one epoch, and ``extra`` entries past its end.
 
-    The order is ``range(N)`` or ``default_rng([seed, epoch]).permutation(N)``. Without
-    ``drop_last`` it is extended to ``s * W`` entries by wrapping around (``order +
-    order[:pad]``, repeating when ``pad > N``) with ``s = ceil(N / W)``, and rank ``r`` takes
-    entries ``[r*s, (r+1)*s)``; the mask is False at the extended positions ``>= N``. With
-    ``drop_last`` each rank takes ``floor(N / W)`` entries and the tail is dropped.
+    The rank's ``ceil(L / W)`` entries of the padded order (see :func:`rank_entries`), or
+    ``floor(N / W)`` with ``drop_last``; the mask is False exactly at the wrapped positions
+    ``>= L``. The ``extra`` entries continue the padded order: the fill of a short last batch.
     """
     s = per_rank(n, num_replicas, drop_last)
-    start, stop = rank * s, (rank + 1) * s
-    indices = order_block(n, start, stop, seed=seed, epoch=epoch, shuffle=shuffle)
-    mask = np.ones(s, dtype=np.bool_)
-    if not drop_last and stop > n:
-        mask[max(n - start, 0) :] = False
-    return indices, mask
+    return rank_entries(
+        n,
+        num_replicas,
+        rank,
+        0,
+        s + extra,
+        seed=seed,
+        epoch=epoch,
+        shuffle=shuffle,
+        drop_last=drop_last,
+    )
+
+
+# Keys of a state dict besides "epoch" and "position": a state only fits a sampler that
+# agrees on all of them. The world size is not one: a position is one in the global order.
+STATE_SETTINGS = ("data_size", "seed", "shuffle", "drop_last")
+
+
+def resume_point(
+    state: Any,
+    *,
+    n: int,
+    num_replicas: int,
+    seed: int,
+    shuffle: bool,
+    drop_last: bool,
+) -> tuple[int, int]:
+    """``(epoch, position)`` of a state that a sampler with these settings can continue.
+
+    ``position`` counts the samples of the epoch's global order handed out, ``N`` once the
+    epoch is done. ``W`` ranks continue together from a position only if it is a multiple
+    of ``W`` (each rank then starts at its entry ``position / W``), or if nothing is left at
+    this world size (``position >= L``, returned as ``N``). Raises TypeError or ValueError
+    naming what does not fit.
+    """
+    if not isinstance(state, Mapping):
+        msg = (
+            "Expected `state` to be a dict from `DistributedSampler.state_dict()`, "
+            f"got {type(state).__name__} instead."
+        )
+        raise TypeError(msg)
+    if "num_replicas" in state:
+        msg = (
+            "Expected `state` to be a dict from `DistributedSampler.state_dict()` of this "
+            "jaxddp, got one with `num_replicas` instead: it was saved by a jaxddp that gave "
+            "each rank a contiguous block, and its `position` counts one rank's samples of "
+            "that block, which is no position in today's interleaved order. Restart its "
+            "epoch: load `{**state, 'position': 0}` without the `num_replicas` key."
+        )
+        raise ValueError(msg)
+    missing = [k for k in ("epoch", "position", *STATE_SETTINGS) if k not in state]
+    if missing:
+        msg = (
+            "Expected `state` to be a dict from `DistributedSampler.state_dict()`, "
+            f"got one without {', '.join(map(repr, missing))} instead."
+        )
+        raise ValueError(msg)
+    mine = {"data_size": n, "seed": seed, "shuffle": shuffle, "drop_last": drop_last}
+    for key in STATE_SETTINGS:
+        if not same_setting(state[key], mine[key]):
+            msg = (
+                f"Expected a state with `{key}={mine[key]!r}` like this sampler's, got "
+                f"`{key}={state[key]!r}` instead: a position only makes sense in the "
+                "order it was taken from. Build the sampler with the same arguments as "
+                "the run that saved the state (any number of ranks)."
+            )
+            raise ValueError(msg)
+    epoch = integer("state['epoch']", state["epoch"], minimum=0)
+    position = integer("state['position']", state["position"], minimum=0)
+    if position > n:
+        msg = (
+            f"Expected `state['position']` to be at most the {n} samples of an epoch, got "
+            f"{position} instead."
+        )
+        raise ValueError(msg)
+    if position >= epoch_length(n, num_replicas, drop_last):
+        return epoch, n  # nothing of the epoch left at this world size
+    if position % num_replicas:
+        below = position - position % num_replicas
+        msg = (
+            f"Expected `state['position']` to be a multiple of `num_replicas={num_replicas}`, "
+            f"got {position} instead: the state was saved after {position} samples of epoch "
+            f"{epoch}, and {num_replicas} ranks, which each take one sample in {num_replicas}, "
+            "cannot all continue from there. Resume on a number of ranks that divides "
+            f"{position} (the saving run's number does), or load "
+            f"`{{**state, 'position': {below}}}` to see {position - below} samples again."
+        )
+        raise ValueError(msg)
+    return epoch, position
+
+
+def batch_count(
+    n: int, num_replicas: int, start: int, batch_size: int, *, drop_last: bool, drop_short: bool
+) -> int:
+    """How many batches each rank yields from its entry ``start`` on.
+
+    ``ceil((s - start) / B)`` with ``s = per_rank(...)``: the short last batch is filled
+    with the padded order. With ``drop_short``, only batches whose ``W * B`` positions are
+    all real: ``floor((L - start * W) / (W * B))``, as one process with batch ``W * B`` has.
+    """
+    if drop_short:
+        left = epoch_length(n, num_replicas, drop_last) - start * num_replicas
+        return max(left, 0) // (num_replicas * batch_size)
+    left = per_rank(n, num_replicas, drop_last) - start
+    return -(-max(left, 0) // batch_size)

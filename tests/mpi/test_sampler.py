@@ -5,6 +5,7 @@ failing assertion never leaves the other ranks waiting in a collective.
 """
 
 import itertools
+import json
 import math
 
 import jax
@@ -60,7 +61,7 @@ def test_every_rank_gets_the_same_count_and_the_sums_add_up(n, shuffle):
     extended = extended_order(n, seed=4, epoch=2, shuffle=shuffle)
     # Flux's test: the allreduced sum of the shards is sum(data) + sum(data[order[:pad]])
     assert int(total) == int(data.sum()) + int(data[np.asarray(extended[n:], np.int64)].sum())
-    assert flat(everyone) == extended  # contiguous blocks, in rank order
+    assert flat(zip(*everyone, strict=True)) == extended  # interleaved: rank r takes r, r + W, ...
     assert set(flat(everyone)) == set(range(n))  # the union covers every sample
     assert int(count) == n
     assert sorted(flat(masked)) == list(range(n))  # each sample once where the mask holds
@@ -150,6 +151,120 @@ def test_state_is_identical_on_every_rank_and_resumes_at_every_batch():
     for states, kept, _ in results:
         assert all(s == states[0] for s in states)
         assert sorted(flat(kept)) == list(range(n))  # nothing skipped, nothing repeated
+
+
+# -- W ranks with batch B are one process with batch W * B ---------------------------------
+
+
+def interleaved(per_rank):
+    """Rank-interleaved concatenation of every rank's list: entry j of each, then j + 1."""
+    return [x for entries in zip(*per_rank, strict=True) for x in entries]
+
+
+def one_process(n, global_batch, *, epoch=0, state=None, **kwargs):
+    sampler = DistributedSampler(n, num_replicas=1, rank=0, **kwargs)
+    if state is not None:
+        sampler.load_state_dict(state)
+    sampler.set_epoch(epoch)
+    return [(i.tolist(), m.tolist()) for i, m in sampler.batches(global_batch)]
+
+
+def gathered(batches):
+    """Each step's batch of all ranks, interleaved, as one process's (indices, mask)."""
+    everyone = comm.allgather([(i.tolist(), m.tolist()) for i, m in batches])
+    steps = {len(b) for b in everyone}
+    assert len(steps) == 1, steps  # the same number of steps on every rank
+    return [
+        (interleaved([b[k][0] for b in everyone]), interleaved([b[k][1] for b in everyone]))
+        for k in range(steps.pop())
+    ]
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["ordered", "shuffled"])
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+@pytest.mark.parametrize("n", [203, 1, size - 1 or 1, 7, 10, 4 * size, 4 * size * 8 + 1])
+def test_the_ranks_batches_together_are_one_process_batches(n, batch_size, shuffle):
+    sampler = DistributedSampler(n, shuffle=shuffle, seed=6)
+    results = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        results.append(gathered(sampler.batches(batch_size)))
+
+    for epoch, together in enumerate(results):
+        alone = one_process(n, size * batch_size, epoch=epoch, shuffle=shuffle, seed=6)
+        assert together == alone  # every step, the last (short, padded) one included
+        real = [i for indices, mask in together for i, m in zip(indices, mask, strict=True) if m]
+        assert sorted(real) == list(range(n))  # padding never counts a sample twice
+
+
+GLOBAL_BATCH = 12  # divides by 2, 3 and 4: the same global batch on every world size
+
+
+@pytest.mark.parametrize("shuffle", [False, True], ids=["ordered", "shuffled"])
+@pytest.mark.parametrize("n", [203, 5, 48])
+def test_a_run_saved_on_another_world_size_resumes_with_the_remaining_batches(n, shuffle):
+    """Saved at each batch boundary by W = 2 or 4 ranks (computed here: a sampler with
+    explicit num_replicas and rank is pure), resumed on this world's real ranks."""
+    saved_on = 4 if size == 2 else 2
+    kwargs = {"shuffle": shuffle, "seed": 9}
+    whole = one_process(n, GLOBAL_BATCH, epoch=1, **kwargs)
+    results = []
+    for k in range(len(whole) + 1):
+        states = []
+        for r in range(saved_on):
+            first = DistributedSampler(n, num_replicas=saved_on, rank=r, **kwargs)
+            first.set_epoch(1)
+            batches = first.batches(GLOBAL_BATCH // saved_on)
+            for _ in range(k):
+                next(batches)
+            states.append(first.state_dict())
+        resumed = DistributedSampler(n, **kwargs)
+        resumed.load_state_dict(json.loads(json.dumps(states[0])))
+        resumed.set_epoch(1)
+        rest = gathered(resumed.batches(GLOBAL_BATCH // size))
+        results.append((k, states, rest, resumed.state_dict()))
+
+    for k, states, rest, end in results:
+        assert all(state == states[0] for state in states)
+        assert "num_replicas" not in states[0]
+        assert rest == whole[k:]  # exactly the remaining global batches
+        assert end["position"] == n
+
+
+# -- load_state_dict agrees across ranks ----------------------------------------------------
+
+
+def test_different_states_on_different_ranks_are_an_error_on_every_rank():
+    sampler = DistributedSampler(203, seed=1)
+    state = sampler.state_dict()
+    mine = {**state, "position": 0 if rank == 0 else 2 * size}
+    with pytest.raises(
+        ValueError, match=rf"same state.*`position` \(rank 0: 0, rank 1: {2 * size}"
+    ):
+        sampler.load_state_dict(mine)
+    with pytest.raises(ValueError, match=r"same state.*`epoch` \(rank 0: 0, rank 1: 1"):
+        sampler.load_state_dict({**state, "epoch": int(rank > 0)})
+    sampler.load_state_dict({**state, "position": size})  # the same everywhere: fine
+    assert sampler.state_dict()["position"] == size
+
+
+def test_an_invalid_state_on_one_rank_is_an_error_on_every_rank():
+    sampler = DistributedSampler(203, seed=1)
+    state = sampler.state_dict()
+    last = size - 1
+    if rank == last:
+        match = r"`seed=1` like this sampler's, got `seed=2`"
+    else:
+        match = rf"load a valid state.*errors on 1 of {size} ranks.*rank {last}: ValueError"
+    with pytest.raises(ValueError, match=match):
+        sampler.load_state_dict({**state, "seed": 2 if rank == last else 1})
+
+
+def test_a_position_this_world_size_cannot_continue_is_an_error_on_every_rank():
+    sampler = DistributedSampler(203, seed=1)
+    state = {**sampler.state_dict(), "position": size + 1}
+    with pytest.raises(ValueError, match=rf"multiple of `num_replicas={size}`, got {size + 1}"):
+        sampler.load_state_dict(state)
 
 
 # -- the one-time consistency check ---------------------------------------------------------

@@ -92,7 +92,14 @@ def test_sampler_on_a_sub_communicator():
         per_rank = -(-n // len(MEMBERS))
         order = [i % n for i in range(per_rank * len(MEMBERS))]
         assert (sampler.num_replicas, sampler.rank) == (len(MEMBERS), rank)
-        assert sampler.indices().tolist() == order[rank * per_rank : (rank + 1) * per_rank]
+        assert sampler.indices().tolist() == order[rank :: len(MEMBERS)]  # interleaved
+        # load_state_dict checks over the sub communicator only: the others never join
+        w = len(MEMBERS)
+        state = {**sampler.state_dict(), "position": w * (rank + 1)}
+        if w > 1:
+            with pytest.raises(ValueError, match=rf"`position` \(rank 0: {w}, rank 1: {2 * w}"):
+                sampler.load_state_dict(state)
+        sampler.load_state_dict({**state, "position": w})
     else:  # a pure sampler of its own: no communicator
         sampler = jaxddp.DistributedSampler(n, num_replicas=1, rank=0, shuffle=False)
         assert sampler.indices().tolist() == list(range(n))
