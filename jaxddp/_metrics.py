@@ -78,12 +78,12 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
     inexact = values.dtype.kind in "fc" or jnp.issubdtype(values.dtype, jnp.inexact)
     dtype = values.dtype if inexact else np.dtype(np.float32)
     wide = np.complex128 if values.dtype.kind == "c" else np.float64
-    where = mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim))
-    total = np.sum(values, axis=tuple(range(mask.ndim)), dtype=wide, where=where)
+    picked = values[mask]  # the real entries, stacked: padding (even nan) never summed
+    total = picked.sum(axis=0, dtype=wide)
     buffer = np.empty(total.size + 1, wide)
     buffer[:-1] = total.ravel()
-    buffer[-1] = np.count_nonzero(mask)
+    buffer[-1] = len(picked)
     (buffer,) = _host_allreduce([buffer], comm)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        mean = buffer[:-1] / buffer[-1]
-    return mean.reshape(total.shape).astype(dtype)
+    if buffer[-1] == 0:  # no rank has a real entry
+        return np.full(total.shape, np.nan, dtype)
+    return (buffer[:-1] / buffer[-1]).reshape(total.shape).astype(dtype)
