@@ -49,6 +49,14 @@ def interleaved(fns: dict[str, Callable[[], object]], warmup: int, repeats: int)
     Each round starts one place further along, so that no fn always runs first (the first
     sample of a round measured up to 2x slower here) or always after the same neighbour.
     """
+    samples = interleaved_samples(fns, warmup, repeats)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def interleaved_samples(
+    fns: dict[str, Callable[[], object]], warmup: int, repeats: int
+) -> dict[str, list[float]]:
+    """What :func:`interleaved` takes the medians of: each fn's samples, round by round."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -57,7 +65,7 @@ def interleaved(fns: dict[str, Callable[[], object]], warmup: int, repeats: int)
     for r in range(repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             samples[name].append(_sample(fns[name]))
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
 
 
 def impl_limit(tree: dict[str, np.ndarray]) -> Callable[[], object]:

@@ -1,10 +1,18 @@
 """Runs the whole benchmark suite and writes JSON, a PNG plot and a markdown table.
 
-    python benchmarks/run.py [--quick] [--results benchmarks/results] [--docs docs/benchmarks]
+    python benchmarks/run.py [--quick] [--only SECTIONS] [--results benchmarks/results]
+                             [--docs docs/benchmarks]
 
 Each MPI benchmark is its own ``mpiexec`` launch, with a timeout; every launch measures the
 limit (mpi4py's flat-buffer Allreduce) beside what it compares, so each ratio is taken
 against a baseline measured in the same run. ``nox -s bench`` calls this.
+
+``--only nnx-step,eager`` runs some sections (see SECTIONS) and takes the others from the
+``results.json`` a previous run left in ``--results``, if any, before writing the pages;
+``--only ''`` runs nothing and writes the pages again from that file.
+The collective-path comparisons (``nnx-step``, ``eager``) launch each benchmark twice: as
+installed (the fast path) and with ``JAXDDP_TEST_COLLECTIVE_PATH=ordered`` (the ordered-effect
+path jaxddp used before, and still falls back to where the fast path is not proven).
 """
 
 from __future__ import annotations
@@ -37,10 +45,22 @@ LABELS = {
 }
 
 
-def mpi_run(np_: int, script: str, args: list[str], timeout: float) -> None:
+SECTIONS = ("allreduce", "peers", "step", "nnx-step", "eager", "sampler", "import")
+PEERS = frozenset({"jax_gloo", "jax_gloo_flat", "torch_gloo"})
+PATHS = ("fast", "ordered")  # values of JAXDDP_TEST_COLLECTIVE_PATH
+TARGET_SYNC_IN_LIMITS = 3.0  # issue #11: at 2 ranks a step's sync costs at most 3x the limit
+
+
+def mpi_run(
+    np_: int, script: str, args: list[str], timeout: float, path: str | None = None
+) -> None:
     command = [MPIEXEC, "-n", str(np_), sys.executable, str(HERE / script), *args]
-    print("+", " ".join(command), flush=True)
-    subprocess.run(command, check=True, timeout=timeout, cwd=ROOT)
+    env = dict(os.environ)
+    if path is not None:
+        env["JAXDDP_TEST_COLLECTIVE_PATH"] = path
+    print("+", f"JAXDDP_TEST_COLLECTIVE_PATH={path}" if path else "", " ".join(command))
+    sys.stdout.flush()
+    subprocess.run(command, check=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def import_cost(repeats: int) -> dict[str, float]:
@@ -128,14 +148,19 @@ def markdown(results: dict) -> str:
         ),
         "",
     ]
-    for ranks in sorted({r["ranks"] for r in results["allreduce"]}):
+    for ranks in sorted({r["ranks"] for r in results.get("allreduce", [])}):
         parts += [
             f"### Gradient allreduce, {ranks} ranks",
             "",
             table(results["allreduce"], ranks),
             "",
         ]
-    parts += ["![allreduce](allreduce.png)", ""]
+    if results.get("allreduce"):
+        parts += ["![allreduce](allreduce.png)", ""]
+    if results.get("nnx_step"):
+        parts += nnx_step_markdown(results["nnx_step"])
+    if results.get("eager"):
+        parts += eager_markdown(results["eager"])
     for step in results.get("step", []):
         parts += [
             f"### Train step, {step['ranks']} ranks",
@@ -178,37 +203,184 @@ def markdown(results: dict) -> str:
             ),
             "",
         ]
-    imp = results["import"]
-    parts += [
-        "### Import",
-        "",
-        (
-            f"`import jaxddp` {imp['import_jaxddp_s'] * 1e3:.0f} ms against "
-            f"`import jax, optax` {imp['import_jax_optax_s'] * 1e3:.0f} ms "
-            f"({imp['ratio']:.2f}x; the guard and loading libmpi are the difference)."
-        ),
-        "",
-    ]
+    if "import" in results:
+        imp = results["import"]
+        parts += [
+            "### Import",
+            "",
+            (
+                f"`import jaxddp` {imp['import_jaxddp_s'] * 1e3:.0f} ms against "
+                f"`import jax, optax` {imp['import_jax_optax_s'] * 1e3:.0f} ms "
+                f"({imp['ratio']:.2f}x; the guard and loading libmpi are the difference)."
+            ),
+            "",
+        ]
     return "\n".join(parts)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--results", type=Path, default=HERE / "results")
-    parser.add_argument("--docs", type=Path, default=None, help="also copy md + png here")
-    parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 ranks only")
-    args = parser.parse_args()
-    out = args.results
-    out.mkdir(parents=True, exist_ok=True)
-    repeats = ["--repeats", "5" if args.quick else "15"]
-    launches = [(2, "limit,jaxddp,mpi4jax_per_leaf,mpi4jax_concat,jit_nompi,jit_floor", "main")]
-    launches.append((2, "limit,jax_gloo,jax_gloo_flat", "jaxgloo"))
-    if importlib.util.find_spec("torch") is not None:
-        launches.append((2, "limit,torch_gloo", "torch"))
-    else:
-        print("torch is not installed: torch gloo skipped (pip install torch==2.13.0)")
-    if not args.quick:
-        launches.append((4, "limit,jaxddp,mpi4jax_per_leaf", "main"))
+def _by_ranks_and_path(parts: list[dict]) -> dict[int, dict[str, dict]]:
+    found: dict[int, dict[str, dict]] = {}
+    for part in parts:
+        found.setdefault(part["ranks"], {})[part["path"]] = part
+    return dict(sorted(found.items()))
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.3g} µs" if seconds < 1e-3 else f"{seconds * 1e3:.3g} ms"
+
+
+def _sync_cell(case: dict) -> str:
+    return f"{case['sync_s'] * 1e3:.3g} ms ({case['sync_in_limits']:.3g}x)"
+
+
+def nnx_step_markdown(parts: list[dict]) -> list[str]:
+    lines = [
+        "### Train step, Flax NNX",
+        "",
+        (
+            "Issue #11's three residual MLPs (`nnx.Linear(32, width)`, `blocks` x "
+            "`x + LayerNorm(relu(Linear(width, width)(x)))`, `nnx.Linear(width, 10)`), trained "
+            "as the Flax docs show: `nnx.Optimizer(model, tx, wrt=nnx.Param)` and one `nnx.jit` "
+            "step, with `optax.adam(1e-3)` alone and with "
+            "`optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))`, "
+            f"{parts[0]['batch_per_rank']} samples per rank. The two steps and the limit "
+            "(mpi4py's `Allreduce` of one flat float32 buffer of the gradient bytes) take turns, "
+            f"{parts[0]['repeats']} rounds. *Sync adds* is median(step with sync) - "
+            "median(step alone); in brackets, in units of the limit. *Fast path*: jaxddp as "
+            "installed (its collectives are an effect-free primitive, the step keeps JAX's C++ "
+            "dispatch). *Ordered path*: the same with `JAXDDP_TEST_COLLECTIVE_PATH=ordered`, the "
+            "ordered-effect path of jaxddp <= 0.1 and mpi4jax (before). Each path is its own "
+            "launch, with its own limit; the step alone and the limit shown are the fast "
+            f"launch's. Target at 2 ranks: at most {TARGET_SYNC_IN_LIMITS:g}x the limit."
+        ),
+        "",
+    ]
+    for ranks, by_path in _by_ranks_and_path(parts).items():
+        fast, ordered = by_path.get("fast"), by_path.get("ordered")
+        lines += [
+            f"#### {ranks} ranks",
+            "",
+            (
+                "| model | param leaves | grad bytes | step alone | the limit "
+                "| sync adds, fast path | sync adds, ordered path (before) |"
+            ),
+            "|---|---|---|---|---|---|---|",
+        ]
+        models = [c["model"] for c in (fast or ordered)["cases"]]
+        for i, model in enumerate(models):
+            f = fast["cases"][i] if fast else None
+            o = ordered["cases"][i] if ordered else None
+            base = f or o
+            lines.append(
+                f"| {model} | {base['param_leaves']} | {base['grad_bytes'] / 1e6:.2f} MB "
+                f"| {base['alone_s'] * 1e3:.3g} ms | {base['limit_s'] * 1e3:.3g} ms "
+                f"| {_sync_cell(f) if f else '—'} | {_sync_cell(o) if o else '—'} |"
+            )
+        lines.append("")
+    lines += ["![Flax NNX train step: what sync adds](nnx-step.png)", ""]
+    return lines
+
+
+def plot_nnx_step(parts: list[dict], path: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grouped = _by_ranks_and_path(parts)
+    fig, axes = plt.subplots(1, len(grouped), figsize=(6 * len(grouped), 4.5), squeeze=False)
+    floor = 0.05  # a median difference at or below zero is noise; drawn at the floor
+    for ax, (ranks, by_path) in zip(axes[0], grouped.items(), strict=True):
+        models = [c["model"] for c in next(iter(by_path.values()))["cases"]]
+        width = 0.38
+        for j, name in enumerate(PATHS):
+            if name not in by_path:
+                continue
+            values = [c["sync_in_limits"] for c in by_path[name]["cases"]]
+            xs = [i + (j - 0.5) * width for i in range(len(models))]
+            label = "fast path" if name == "fast" else "ordered path (before)"
+            bars = ax.bar(xs, [max(v, floor) for v in values], width, label=label, color=f"C{j}")
+            for bar, v in zip(bars, values, strict=True):
+                text = f"{v:.3g}x" if v > floor else f"{v:.2g}x (noise)"
+                ax.annotate(text, (bar.get_x() + width / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=8)  # fmt: skip
+        ax.axhline(TARGET_SYNC_IN_LIMITS, color="grey", ls="--", lw=0.8, label="target (3x)")
+        ax.axhline(1.0, color="grey", lw=0.6)
+        ax.set_yscale("log")
+        ax.set_ylim(bottom=floor * 0.8)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        ax.set_xticks(range(len(models)), [m.replace(", ", "\n") for m in models], fontsize=8)
+        ax.set(ylabel="sync adds / the limit", title=f"NNX train step, {ranks} ranks")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def eager_markdown(parts: list[dict]) -> list[str]:
+    lines = [
+        "### Collectives outside jit",
+        "",
+        (
+            "What a training loop calls on concrete values: `jaxddp.allreduce` of "
+            '`{"loss": jnp.float32, "accuracy": jnp.float32}` and `jaxddp.masked_mean` of 256 '
+            "float32 values with a boolean mask (jax arrays in, NumPy out), against mpi4py's "
+            "`Allreduce` of a preallocated buffer of the bytes jaxddp sends (2 float32 for the "
+            "metrics; 2 float64 for `masked_mean`: the masked sum in double precision and the "
+            "count), interleaved in one launch. For contrast the same calls under `jax.jit`, on "
+            "each collective path (each path its own launch; ratios against that launch's "
+            "mpi4py). Target: eager at most 3x mpi4py."
+        ),
+        "",
+        (
+            "| ranks | call | mpi4py, same bytes | jaxddp, eager | jit, fast path "
+            "| jit, ordered path (before) |"
+        ),
+        "|---|---|---|---|---|---|",
+    ]
+    calls = (
+        ("allreduce", "`allreduce` of 2 float32 scalars", "limit_f32x2", "2 float32"),
+        ("masked_mean", "`masked_mean`, 256 values", "limit_f64x2", "2 float64"),
+    )
+    for ranks, by_path in _by_ranks_and_path(parts).items():
+        fast, ordered = by_path.get("fast"), by_path.get("ordered")
+        base = fast or ordered
+        for call, label, limit, sent in calls:
+            m = base["medians_s"]
+
+            def cell(part: dict | None, key: str, limit: str = limit) -> str:
+                if part is None:
+                    return "—"
+                t, ref = part["medians_s"][key], part["medians_s"][limit]
+                return f"{_us(t)} ({t / ref:.2f}x)"
+
+            eager = cell(base, f"{call}_eager")
+            if limit == "limit_f64x2":
+                t, ref = m[f"{call}_eager"], m["limit_f32x2"]
+                eager += f"; {t / ref:.2f}x the 8-byte buffer"
+            lines.append(
+                f"| {ranks} | {label} | {_us(m[limit])} ({sent}) | {eager} "
+                f"| {cell(fast, f'{call}_jit')} | {cell(ordered, f'{call}_jit')} |"
+            )
+    lines.append("")
+    return lines
+
+
+def run_allreduce(out: Path, quick: bool, sections: set[str]) -> list[dict]:
+    repeats = ["--repeats", "5" if quick else "15"]
+    launches = []
+    if "allreduce" in sections:
+        impls = "limit,jaxddp,mpi4jax_per_leaf,mpi4jax_concat,jit_nompi,jit_floor"
+        launches.append((2, impls, "main"))
+        if not quick:
+            launches.append((4, "limit,jaxddp,mpi4jax_per_leaf", "main"))
+    if "peers" in sections:
+        launches.append((2, "limit,jax_gloo,jax_gloo_flat", "jaxgloo"))
+        if importlib.util.find_spec("torch") is not None:
+            launches.append((2, "limit,torch_gloo", "torch"))
+        else:
+            print("torch is not installed: torch gloo skipped (pip install torch==2.13.0)")
     rows: list[dict] = []
     for np_, impls, tag in launches:
         part = out / f"allreduce-{tag}-np{np_}.json"
@@ -219,31 +391,88 @@ def main() -> None:
             r["ratio"] = r["median_s"] / limits[r["payload"]]
             if r["impl"] != "limit" or tag == "main":
                 rows.append(r)
-    steps = []
-    for np_ in (2,) if args.quick else (2, 4):
-        part = out / f"step-np{np_}.json"
-        mpi_run(np_, "bench_step.py", ["--out", str(part)], 600)
-        steps.append(json.loads(part.read_text()))
-    results = {
-        "machine": f"{os.cpu_count()} cores, Python {sys.version.split()[0]}",
-        "allreduce": rows,
-        "step": steps,
-        "import": import_cost(3 if args.quick else 7),
-    }
+    return rows
+
+
+def run_by_path(out: Path, script: str, name: str, args: list[str], quick: bool) -> list[dict]:
+    """One launch per rank count and collective path; the parsed JSON of each."""
+    parts = []
+    for np_ in (2,) if quick else (2, 4):
+        for path in PATHS:
+            part = out / f"{name}-{path}-np{np_}.json"
+            mpi_run(np_, script, [*args, "--out", str(part)], 600, path=path)
+            parts.append(json.loads(part.read_text()))
+    return parts
+
+
+def merge(old: dict, new: dict, sections: set[str]) -> dict:
+    """``new``'s sections over ``old``'s, for a run of only some sections."""
+    merged = {**old, **new}
+    ran = sections & {"allreduce", "peers"}
+    if "allreduce" in old and ran and ran != {"allreduce", "peers"}:
+        keep = "peers" if "peers" not in sections else "allreduce"
+        kept = [r for r in old["allreduce"] if (r["impl"] in PEERS) == (keep == "peers")]
+        merged["allreduce"] = kept + new.get("allreduce", [])
+    return merged
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=HERE / "results")
+    parser.add_argument("--docs", type=Path, default=None, help="also copy md + png here")
+    parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 ranks only")
+    parser.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated, of {', '.join(SECTIONS)} ('': only write the pages again)",
+    )
+    args = parser.parse_args()
+    sections = set(filter(None, args.only.split(",")))
+    if unknown := sections - set(SECTIONS):
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    out = args.results
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"machine": f"{os.cpu_count()} cores, Python {sys.version.split()[0]}"}
+    if sections & {"allreduce", "peers"}:
+        results["allreduce"] = run_allreduce(out, args.quick, sections)
+    if "step" in sections:
+        results["step"] = []
+        for np_ in (2,) if args.quick else (2, 4):
+            part = out / f"step-np{np_}.json"
+            mpi_run(np_, "bench_step.py", ["--out", str(part)], 600)
+            results["step"].append(json.loads(part.read_text()))
+    if "nnx-step" in sections:
+        repeats = ["--repeats", "11" if args.quick else "41"]
+        results["nnx_step"] = run_by_path(out, "bench_nnx_step.py", "nnx-step", repeats, args.quick)
+    if "eager" in sections:
+        repeats = ["--repeats", "101" if args.quick else "301"]
+        results["eager"] = run_by_path(out, "bench_eager.py", "eager", repeats, args.quick)
+    if "import" in sections:
+        results["import"] = import_cost(3 if args.quick else 7)
     sampler = HERE / "bench_sampler.py"
-    if sampler.exists():
+    if "sampler" in sections and sampler.exists():
         sampler_json = out / "sampler.json"
         command = [sys.executable, str(sampler), "--out", str(sampler_json)]
         subprocess.run(command, check=True, timeout=900, cwd=ROOT)
         results["sampler"] = json.loads(sampler_json.read_text())
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    plot(rows, out / "allreduce.png")
+    previous = out / "results.json"
+    if sections != set(SECTIONS) and previous.exists():
+        results = merge(json.loads(previous.read_text()), results, sections)
+    previous.write_text(json.dumps(results, indent=1))
+    pngs = []
+    if results.get("allreduce"):
+        plot(results["allreduce"], out / "allreduce.png")
+        pngs.append("allreduce.png")
+    if results.get("nnx_step"):
+        plot_nnx_step(results["nnx_step"], out / "nnx-step.png")
+        pngs.append("nnx-step.png")
     (out / "results.md").write_text(markdown(results))
     print((out / "results.md").read_text())
     if args.docs:
         args.docs.mkdir(parents=True, exist_ok=True)
         (args.docs / "results.md").write_text(markdown(results))
-        (args.docs / "allreduce.png").write_bytes((out / "allreduce.png").read_bytes())
+        for png in pngs:
+            (args.docs / png).write_bytes((out / png).read_bytes())
 
 
 if __name__ == "__main__":
