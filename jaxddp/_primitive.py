@@ -246,11 +246,11 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
 def _wait_at_exit() -> None:
     """At exit, waits for every dispatched executable before MPI is finalized.
 
-    JAX's own exit barrier waits only for executables with effects; a step dispatched
-    without waiting would otherwise still be inside an MPI call when ``MPI_Finalize`` runs.
-    The PjRt CPU client runs a device's executables in dispatch order, so a trivial one
-    dispatched last is done only when all before it are. (mpi4py finalizes MPI after every
-    Python ``atexit`` handler has run.)
+    JAX's effects barrier does not wait for executables without effects. Today the backend's
+    own teardown at exit waits for its thread pool anyway (the exit-without-waiting test
+    passes without this); this makes the guarantee jaxddp's own. The PjRt CPU client runs
+    a device's executables in dispatch order, so a trivial one dispatched last is done only
+    when all before it are; mpi4py finalizes MPI after every Python ``atexit`` handler.
     """
     import atexit
 
