@@ -83,12 +83,14 @@ def fast_path() -> bool:
 _chained_p = Primitive("jaxddp_chained")
 _chained_p.multiple_results = True
 _chained_p.def_abstract_eval(
-    lambda token, *xs, kind, **params: [abstract_token, *out_avals(kind, xs, params)]
+    lambda token, *xs, kind, tangent, **params: [abstract_token, *out_avals(kind, xs, params)]
 )
 pe.dce_rules[_chained_p] = lambda used, eqn: ([True] * len(eqn.invars), eqn)
 
 
-def _lower_chained(ctx: Any, token: Any, *xs: Any, kind: str, **params: Any) -> list[Any]:
+def _lower_chained(
+    ctx: Any, token: Any, *xs: Any, kind: str, tangent: bool, **params: Any
+) -> list[Any]:
     if not lowering_into_main():
         # A jitted function traced on its own (so chained) is being compiled inside another
         # computation: its chain would not be ordered with the caller's collectives.
@@ -138,15 +140,18 @@ def _lower_ordered(
 
 
 # A tangent's collective transposes to the cotangent unchanged (mpi4jax's definition).
-def _transpose_tangent(cts: Any, *args: Any, chained: bool, tangent: bool, **params: Any) -> Any:
+def _transpose_tangent(p: Primitive, cts: Any, *args: Any, tangent: bool, **params: Any) -> Any:
     if not tangent:
         msg = "Only the tangent of jaxddp's allreduce can be transposed."
         raise NotImplementedError(msg)
+    if p is _chained_p:  # the token's cotangent is dropped
+        return [None, *[ad.instantiate_zeros(ct) for ct in cts[1:]]]
     cts = [ad.instantiate_zeros(ct) for ct in cts]
-    return [None, *cts] if chained else cts
+    return [None, *cts] if params["chained"] else cts
 
 
-ad.primitive_transposes[_ordered_p] = _transpose_tangent
+ad.primitive_transposes[_ordered_p] = functools.partial(_transpose_tangent, _ordered_p)
+ad.primitive_transposes[_chained_p] = functools.partial(_transpose_tangent, _chained_p)
 
 
 # Transformations of a jaxpr that is already staged (a cached jit called under grad or
@@ -212,14 +217,11 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
 
     The first ordered collective after chained ones takes the last chained token, so the
     chain continues into JAX's effect token; every later one in the jit is ordered too.
-    Tangents (differentiated collectives) are always ordered and leave the chain alone:
-    reverse mode transposes them away, forward mode orders them as mpi4jax did.
+    A tangent (a differentiated collective) staged at the jit's own level, as forward mode
+    does, joins the chain; one staged deeper (reverse mode's linearized trace, which
+    transposes it away) is ordered and leaves the chain alone.
     """
     params = dict(params, kind=p.kind)
-    if p.tangent:
-        return _ordered_p.bind_with_trace(
-            trace, tuple(args), tuple(avals), dict(params, chained=False, tangent=True)
-        )
     root = _root(trace)
     chain = _chains.get(root)
     if chain is None:
@@ -230,10 +232,14 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
             _wait_at_exit()
             token = create_token_p.bind_with_trace(root, (), (), {})
         token, *outs = _chained_p.bind_with_trace(
-            trace, (token, *args), (abstract_token, *avals), params
+            trace, (token, *args), (abstract_token, *avals), dict(params, tangent=p.tangent)
         )
         chain.token = token
         return outs
+    if p.tangent:
+        return _ordered_p.bind_with_trace(
+            trace, tuple(args), tuple(avals), dict(params, chained=False, tangent=True)
+        )
     chain.switched = True
     token, chain.token = chain.token, None
     params.update(chained=token is not None, tangent=False)

@@ -267,3 +267,32 @@ def test_a_staged_step_under_grad_jvp_and_vmap():
     batched = jax.vmap(g)(jnp.stack([x, 2 * x]))
     total = sum(np.arange(3.0) + r for r in range(size))
     np.testing.assert_array_equal(batched, np.stack([total, 2 * total]))
+
+
+def test_forward_and_reverse_mode_through_collectives_inside_one_step():
+    def f(x):
+        return jaxddp.allreduce(x * x, op="sum")
+
+    @jax.jit
+    def forward(x, t):
+        a = jaxddp.allreduce(x, op="max")
+        y, ty = jax.jvp(f, (x,), (t,))  # the tangent's collective runs, in the chain
+        return a, y, ty, jaxddp.allreduce(y + ty, op="min")
+
+    @jax.jit
+    def reverse(x):
+        grad = jax.grad(lambda v: jaxddp.masked_mean(v * v, jnp.ones(3, bool)))(x)
+        return jaxddp.allreduce(grad, op="sum")
+
+    x = jnp.arange(3.0) + rank
+    per_rank = np.stack([np.arange(3.0) + r for r in range(size)])
+    assert set(_forms(forward, x, jnp.ones(3))) == {"jaxddp_chained" if FAST else "jaxddp_ordered"}
+    assert set(_forms(reverse, x)) == {"jaxddp_chained" if FAST else "jaxddp_ordered"}
+    a, y, ty, b = forward(x, jnp.ones(3))
+    np.testing.assert_array_equal(a, per_rank.max(0))
+    np.testing.assert_array_equal(y, (per_rank**2).sum(0))
+    np.testing.assert_array_equal(ty, (2 * per_rank).sum(0))
+    np.testing.assert_array_equal(b, y + ty)
+    # mpi4jax's definition: the cotangent passes the reduction unchanged, so each rank's
+    # gradient is its own share; summed over ranks it is the whole gradient
+    np.testing.assert_allclose(reverse(x), (2 * per_rank / (3 * size)).sum(0), rtol=1e-6)
