@@ -139,15 +139,14 @@ def _lower_ordered(
     return outs
 
 
-# A tangent's collective transposes to the cotangent unchanged (mpi4jax's definition).
+# A tangent's collective transposes to the sum of the cotangents, as `jax.lax.psum` does.
 def _transpose_tangent(p: Primitive, cts: Any, *args: Any, tangent: bool, **params: Any) -> Any:
     if not tangent:
         msg = "Only the tangent of jaxddp's allreduce can be transposed."
         raise NotImplementedError(msg)
-    if p is _chained_p:  # the token's cotangent is dropped
-        return [None, *[ad.instantiate_zeros(ct) for ct in cts[1:]]]
-    cts = [ad.instantiate_zeros(ct) for ct in cts]
-    return [None, *cts] if params["chained"] else cts
+    leading = 1 if p is _chained_p or params["chained"] else 0  # the token's is dropped
+    summed = _sum_cotangents(cts[leading:] if p is _chained_p else cts, params["comm"])
+    return [None, *summed] if leading else summed
 
 
 ad.primitive_transposes[_ordered_p] = functools.partial(_transpose_tangent, _ordered_p)
@@ -157,15 +156,17 @@ ad.primitive_transposes[_chained_p] = functools.partial(_transpose_tangent, _cha
 # Transformations of a jaxpr that is already staged (a cached jit called under grad or
 # vmap) see the staged forms: they differentiate and batch like the allreduce they came from.
 def _staged_jvp(p: Primitive, primals: Any, tangents: Any, **params: Any) -> Any:
-    from mpi4py import MPI
-
     leading = 1 if p is _chained_p or params["chained"] else 0
-    if params["kind"] != "allreduce" or params["op"] != Handle(MPI.SUM):
-        msg = "jaxddp's collectives are differentiable only as allreduce with 'sum' or 'mean'."
+    if params["kind"] != "allreduce":
+        msg = (
+            f"jaxddp's {params['kind']} has no derivative; only allreduce does. Wrap its "
+            "input in `jax.lax.stop_gradient` if only its value is needed."
+        )
         raise NotImplementedError(msg)
     outs = p.bind(*primals, **params)
-    xs = [ad.instantiate_zeros(t) for t in tangents[leading:]]
-    tangent_outs = _tangent_p.bind(*xs, op=params["op"], comm=params["comm"])
+    tangent_outs = _reduce_tangents(
+        primals[leading:], outs[leading:], tangents[leading:], op=params["op"], comm=params["comm"]
+    )
     lead = [ad.Zero(o.aval.to_tangent_aval()) for o in outs[:leading]]
     return outs, [*lead, *tangent_outs]
 
@@ -294,29 +295,86 @@ def _collective(kind: str, *, tangent: bool = False) -> _Collective:
 allreduce_p = _collective("allreduce")
 bcast_p = _collective("bcast")
 reduce_p = _collective("reduce")
-# The tangent of a sum: reduced like it, and transposed to the cotangent unchanged, as
-# mpi4jax defines it, so that switching paths changes no gradient.
+# The tangent of a sum: a sum of the tangents, whose transpose sums the cotangents, as
+# `jax.lax.psum`'s does. Every rank computes the same loss from every rank's values, so the
+# gradient with respect to one rank's inputs gathers every rank's cotangent: a loss built
+# with `masked_mean`, then `allreduce_gradients()` (a mean), gives the 1-process gradient.
 _tangent_p = _collective("allreduce", tangent=True)
 
 
-def _allreduce_jvp(primals: Any, tangents: Any, *, op: Handle, comm: Handle) -> Any:
+def _sum_cotangents(cts: Sequence[Any], comm: Handle) -> list[Any]:
     from mpi4py import MPI
 
-    if op != Handle(MPI.SUM):
-        msg = "jaxddp's allreduce is differentiable only for op='sum' and op='mean'."
+    cts = [ad.instantiate_zeros(ct) for ct in cts]
+    return allreduce_p.bind(*cts, op=Handle(MPI.SUM), comm=comm)
+
+
+def _reduce_tangents(
+    primals: Sequence[Any],
+    outs: Sequence[Any],
+    tangents: Sequence[Any],
+    *,
+    op: Handle,
+    comm: Handle,
+) -> list[Any]:
+    """The tangents of an allreduce whose inputs are ``primals`` and results ``outs``.
+
+    A sum's tangent is the sum of the tangents. A max's (or min's) is the tangent of the
+    rank holding the extreme, shared equally among ranks that tie, as ``jnp.max`` does
+    among the entries of one array.
+    """
+    from mpi4py import MPI
+
+    # Only inexact buffers have tangents to reduce; the others' are float0 zeros.
+    live = [i for i, x in enumerate(primals) if jax.numpy.issubdtype(x.dtype, jax.numpy.inexact)]
+    result: list[Any] = [ad.Zero(jax.typeof(y).to_tangent_aval()) for y in outs]
+    if not live or all(type(tangents[i]) is ad.Zero for i in live):
+        return result
+    ts = [ad.instantiate_zeros(tangents[i]) for i in live]
+    if op == Handle(MPI.SUM):
+        reduced = _tangent_p.bind(*ts, op=op, comm=comm)
+    elif op in (Handle(MPI.MAX), Handle(MPI.MIN)):
+        chosen = [primals[i] == outs[i] for i in live]
+        counts = allreduce_p.bind(
+            *[c.astype(t.dtype) for c, t in zip(chosen, ts, strict=True)],
+            op=Handle(MPI.SUM),
+            comm=comm,
+        )
+        picked = [jax.numpy.where(c, t, 0) for c, t in zip(chosen, ts, strict=True)]
+        summed = _tangent_p.bind(*picked, op=Handle(MPI.SUM), comm=comm)
+        reduced = [s / n for s, n in zip(summed, counts, strict=True)]
+    else:  # pragma: no cover - jaxddp binds no other op
+        msg = f"jaxddp's allreduce has no derivative for the MPI op {op!r}."
         raise NotImplementedError(msg)
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return allreduce_p.bind(*primals, op=op, comm=comm), _tangent_p.bind(
-        *tangents, op=op, comm=comm
-    )
+    for i, t in zip(live, reduced, strict=True):
+        result[i] = t
+    return result
+
+
+def _allreduce_jvp(primals: Any, tangents: Any, *, op: Handle, comm: Handle) -> Any:
+    outs = allreduce_p.bind(*primals, op=op, comm=comm)
+    return outs, _reduce_tangents(primals, outs, tangents, op=op, comm=comm)
+
+
+def _no_derivative(kind: str) -> Any:
+    def rule(primals: Any, tangents: Any, **params: Any) -> Any:
+        msg = (
+            f"jaxddp's {kind} has no derivative; only allreduce does. Wrap its input in "
+            "`jax.lax.stop_gradient` if only its value is needed."
+        )
+        raise NotImplementedError(msg)
+
+    return rule
 
 
 ad.primitive_jvps[allreduce_p] = _allreduce_jvp
+ad.primitive_jvps[bcast_p] = _no_derivative("broadcast")
+ad.primitive_jvps[reduce_p] = _no_derivative("reduce")
 ad.primitive_jvps[_tangent_p] = lambda primals, tangents, **params: (
     _tangent_p.bind(*primals, **params),
     _tangent_p.bind(*[ad.instantiate_zeros(t) for t in tangents], **params),
 )
-ad.primitive_transposes[_tangent_p] = lambda cts, *xs, **params: list(cts)
+ad.primitive_transposes[_tangent_p] = lambda cts, *xs, op, comm: _sum_cotangents(cts, comm)
 
 
 def _elementwise_batcher(p: Primitive) -> Any:

@@ -259,8 +259,8 @@ def test_a_staged_step_under_grad_jvp_and_vmap():
     f = jax.jit(lambda x: jaxddp.allreduce(x * x, op="sum").sum())
     x = jnp.arange(3.0) + rank
     assert float(f(x)) == sum(float(((np.arange(3.0) + r) ** 2).sum()) for r in range(size))
-    # mpi4jax's definition: the cotangent passes the reduction unchanged
-    np.testing.assert_array_equal(jax.grad(f)(x), 2 * x)
+    # psum's definition: every rank's loss is the same sum, so the cotangent is summed
+    np.testing.assert_array_equal(jax.grad(f)(x), 2 * x * size)
     _, tangent = jax.jvp(f, (x,), (jnp.ones(3),))
     assert float(tangent) == sum(float(2 * (np.arange(3.0) + r).sum()) for r in range(size))
     g = jax.jit(lambda v: jaxddp.allreduce(v, op="sum"))
@@ -293,6 +293,6 @@ def test_forward_and_reverse_mode_through_collectives_inside_one_step():
     np.testing.assert_array_equal(y, (per_rank**2).sum(0))
     np.testing.assert_array_equal(ty, (2 * per_rank).sum(0))
     np.testing.assert_array_equal(b, y + ty)
-    # mpi4jax's definition: the cotangent passes the reduction unchanged, so each rank's
-    # gradient is its own share; summed over ranks it is the whole gradient
-    np.testing.assert_allclose(reverse(x), (2 * per_rank / (3 * size)).sum(0), rtol=1e-6)
+    # psum's definition: each rank's gradient is its share times the world size (every
+    # rank's loss is the same mean), so the sum over ranks is size times the whole gradient
+    np.testing.assert_allclose(reverse(x), (2 * per_rank / 3).sum(0), rtol=1e-6)
