@@ -26,6 +26,7 @@ from ._launcher import LauncherWarning as LauncherWarning
 from ._launcher import check_launcher as check_launcher
 from ._metrics import masked_mean as masked_mean
 from ._sampler import DistributedSampler as DistributedSampler
+from ._state import average_state as average_state
 
 try:
     __version__ = _version("jaxddp")
@@ -43,6 +44,7 @@ __all__ = [
     "__version__",
     "allreduce",
     "allreduce_gradients",
+    "average_state",
     "broadcast",
     "check_launcher",
     "local_rank",

@@ -1,5 +1,5 @@
 """The examples are the project's main job: they train under a real `mpiexec -n 2`, reach a
-sensible accuracy, and end with identical parameters on every rank; without a launcher the
+sensible accuracy, and end with an identical model on every rank; without a launcher the
 digits example reaches the same accuracy for the same global batch."""
 
 import os
@@ -36,7 +36,7 @@ def test_digits_trains_on_two_ranks(digits_on_two_ranks):
     assert "digits on 2 ranks" in out
     assert "batch 32 per rank = 64 global" in out
     assert _accuracy(out) > 0.9
-    assert "parameters identical on all 2 ranks: yes" in out
+    assert "model identical on all 2 ranks: yes" in out
 
 
 def test_only_rank_0_reports(digits_on_two_ranks):
@@ -57,7 +57,7 @@ def test_digits_without_a_launcher_matches_the_same_global_batch(digits_on_two_r
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "digits on 1 rank," in done.stdout
-    assert "parameters identical on all 1 ranks: yes" in done.stdout
+    assert "model identical on all 1 ranks: yes" in done.stdout
     one, two = _accuracy(done.stdout), _accuracy(digits_on_two_ranks.rank_logs["0"])
     assert one > 0.9
     assert abs(one - two) <= 0.03, (one, two)
@@ -77,4 +77,4 @@ def test_digits_with_a_linen_model():
     assert result.ok, result.report()
     out = result.rank_logs["0"]
     assert _accuracy(out) > 0.9
-    assert "parameters identical on all 2 ranks: yes" in out
+    assert "model identical on all 2 ranks: yes" in out

@@ -5,10 +5,13 @@
 
 The digits (1,797 images of 8x8 pixels) ship with scikit-learn: nothing is downloaded. Every
 rank loads the whole data set and trains on its own shard of every epoch, chosen by
-`jaxddp.DistributedSampler`; `jaxddp.allreduce_gradients()` averages the gradients inside
-the optimizer. Rank 0 alone shows progress; at the end every rank evaluates its shard of the
-test set, `jaxddp.masked_mean` combines them exactly, and the run checks that all ranks hold
-identical parameters (exit status 1 if not).
+`jaxddp.DistributedSampler`. The loss is `jaxddp.masked_mean` of the per-sample losses, the
+exact mean over the real samples of all ranks, and `jaxddp.allreduce_gradients()` averages
+the gradients inside the optimizer, so every step is one process's step on the global batch.
+`jaxddp.average_state` keeps the batch norm statistics identical on all ranks. Rank 0 alone
+shows progress; at the end every rank evaluates its shard of the test set, `masked_mean`
+combines them exactly, and the run checks that all ranks hold an identical model, parameters
+and batch statistics (exit status 1 if not).
 """
 
 from __future__ import annotations
@@ -32,14 +35,18 @@ DESCRIPTION = "Data-parallel training of a Flax NNX classifier on the digits dat
 
 
 class MLP(nnx.Module):
-    """64 pixels -> 128 hidden units -> 10 classes."""
+    """64 pixels -> 128 hidden units (batch-normalized) -> 10 classes."""
 
     def __init__(self, rngs: nnx.Rngs, hidden: int = 128) -> None:
         self.hidden = nnx.Linear(64, hidden, rngs=rngs)
+        self.norm = nnx.BatchNorm(hidden, rngs=rngs)
         self.out = nnx.Linear(hidden, 10, rngs=rngs)
 
-    def __call__(self, x: ArrayLike) -> jax.Array:
-        return self.out(jax.nn.relu(self.hidden(jnp.asarray(x))))
+    def __call__(self, x: ArrayLike, mask: jax.Array | None = None) -> jax.Array:
+        # The mask keeps the padding out of the batch statistics.
+        rows = None if mask is None else mask[:, None]
+        hidden = self.norm(self.hidden(jnp.asarray(x)), mask=rows)
+        return self.out(jax.nn.relu(hidden))
 
 
 def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -60,19 +67,22 @@ def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
 def train_step(
     model: MLP, optimizer: nnx.Optimizer, x: ArrayLike, y: ArrayLike, mask: ArrayLike
 ) -> jax.Array:
-    """One step; returns the batch's loss averaged exactly over the real samples of all ranks."""
+    """One step on the global batch; returns its loss, the mean over the real samples of
+    all ranks."""
 
-    def loss_fn(model: MLP) -> tuple[jax.Array, jax.Array]:
-        per_example = optax.softmax_cross_entropy_with_integer_labels(model(x), y)
-        # Padding (mask False) does not count; this rank's mean, averaged over the ranks by
-        # allreduce_gradients.
-        loss = jnp.sum(per_example * mask) / jnp.maximum(jnp.sum(mask), 1)
-        return loss, per_example
+    def loss_fn(model: MLP) -> jax.Array:
+        per_example = optax.softmax_cross_entropy_with_integer_labels(
+            model(x, jnp.asarray(mask)), y
+        )
+        # The exact mean over every rank's real samples (padding, mask False, left out):
+        # its gradient, averaged by allreduce_gradients, is one process's gradient.
+        return jaxddp.masked_mean(per_example, mask)
 
-    (_, per_example), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)  # allreduce_gradients runs first in the chain
-    # One more collective in the same compiled step costs next to nothing.
-    return jaxddp.masked_mean(per_example, mask)
+    # Each rank's batch statistics came from its own shard: average them over the ranks.
+    nnx.update(model, jaxddp.average_state(nnx.state(model, nnx.BatchStat)))
+    return loss
 
 
 @nnx.jit
@@ -162,11 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             )
     elapsed = time.perf_counter() - start
 
+    model.eval()  # batch norm now uses its running statistics
     accuracy = evaluate(model, x_test, y_test, batch_size=64)
-    same = identical_on_all_ranks(nnx.state(model, nnx.Param))
+    same = identical_on_all_ranks(nnx.state(model))  # parameters and batch statistics
     console.print(f"training: {elapsed:.1f} s for {args.epochs} epochs of {steps} steps")
     console.print(f"test accuracy: {accuracy:.2%} ({len(x_test)} test images)")
-    console.print(f"parameters identical on all {size} ranks: {'yes' if same else 'NO'}")
+    console.print(f"model identical on all {size} ranks: {'yes' if same else 'NO'}")
     return 0 if same else 1
 
 

@@ -4,7 +4,8 @@
 
 Same data, sampler, options and checks as `jaxddp.examples.digits`; only the model and the
 step differ: `model.apply` and `tx.update(grads, opt_state, params)` instead of
-`nnx.Optimizer`.
+`nnx.Optimizer`, and the batch statistics (linen's `batch_stats`) travel beside the
+parameters, averaged over the ranks by `jaxddp.average_state` at every step.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from jaxddp.examples.digits import identical_on_all_ranks, load_digits, parse_ar
 
 
 class MLP(nn.Module):
+    """64 pixels -> 128 hidden units (batch-normalized) -> 10 classes."""
+
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return nn.Dense(10)(nn.relu(nn.Dense(128)(x)))
-
-
-def predict(model: MLP, params: Any, x: Any) -> jax.Array:
-    logits = model.apply({"params": params}, x)
-    assert isinstance(logits, jax.Array)  # apply returns (out, state) only with `mutable`
-    return logits
+    def __call__(self, x: jax.Array, train: bool, mask: Any = None) -> jax.Array:
+        hidden = nn.Dense(128)(x)
+        # The mask keeps the padding out of the batch statistics.
+        hidden = nn.BatchNorm(use_running_average=not train)(
+            hidden, mask=None if mask is None else mask[:, None]
+        )
+        return nn.Dense(10)(nn.relu(hidden))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,22 +40,34 @@ def main(argv: list[str] | None = None) -> int:
     rank, size = jaxddp.rank(), jaxddp.world_size()
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     model = MLP()
-    params = model.init(jax.random.key(args.seed + rank), jnp.zeros((1, 64)))["params"]
-    params = jaxddp.synchronize(params)  # rank 0's initial parameters everywhere
+    variables = model.init(jax.random.key(args.seed + rank), jnp.zeros((1, 64)), train=False)
+    # rank 0's initial parameters and statistics everywhere
+    variables = jaxddp.synchronize(dict(variables))
     tx = optax.chain(jaxddp.allreduce_gradients(), optax.adam(args.lr))
-    opt_state = tx.init(params)
+    opt_state = tx.init(variables["params"])
 
     @jax.jit
-    def train_step(params: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
-        def loss_fn(p: Any) -> tuple[jax.Array, jax.Array]:
-            logits = predict(model, p, x)
+    def train_step(variables: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
+        def loss_fn(p: Any) -> tuple[jax.Array, Any]:
+            logits, updated = model.apply(
+                {"params": p, "batch_stats": variables["batch_stats"]},
+                x,
+                train=True,
+                mask=mask,
+                mutable=["batch_stats"],
+            )
             per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-            return jnp.sum(per_example * mask) / jnp.maximum(jnp.sum(mask), 1), per_example
+            # The exact mean over every rank's real samples: its gradient, averaged by
+            # allreduce_gradients, is one process's gradient.
+            return jaxddp.masked_mean(per_example, mask), updated["batch_stats"]
 
-        (_, per_example), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        params = variables["params"]
+        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        loss = jaxddp.masked_mean(per_example, mask)
-        return optax.apply_updates(params, updates), opt_state, loss
+        params = optax.apply_updates(params, updates)
+        # Each rank's statistics came from its own shard: average them over the ranks.
+        variables = {"params": params, "batch_stats": jaxddp.average_state(stats)}
+        return variables, opt_state, loss
 
     sampler = jaxddp.DistributedSampler(len(x_train), shuffle=True, seed=args.seed)
     for epoch in range(args.epochs):
@@ -61,19 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         losses = []
         for indices, mask in sampler.batches(args.batch_size):
             x, y = x_train[indices], y_train[indices]
-            params, opt_state, loss = train_step(params, opt_state, x, y, mask)
+            variables, opt_state, loss = train_step(variables, opt_state, x, y, mask)
             losses.append(float(loss))
         if rank == 0:
             print(f"epoch {epoch + 1}/{args.epochs}: mean loss {np.mean(losses):.4f}")
 
     test = jaxddp.DistributedSampler(len(x_test), shuffle=False)
     indices, mask = test.indices(), test.mask()
-    hits = jnp.argmax(predict(model, params, x_test[indices]), -1) == y_test[indices]
+    logits = model.apply(variables, x_test[indices], train=False)
+    assert isinstance(logits, jax.Array)  # apply returns (out, state) only with `mutable`
+    hits = jnp.argmax(logits, -1) == y_test[indices]
     accuracy = float(jaxddp.masked_mean(hits, mask))
-    same = identical_on_all_ranks(params)
+    same = identical_on_all_ranks(variables)  # parameters and batch statistics
     if rank == 0:
         print(f"test accuracy: {accuracy:.2%} ({len(x_test)} test images)")
-        print(f"parameters identical on all {size} ranks: {'yes' if same else 'NO'}")
+        print(f"model identical on all {size} ranks: {'yes' if same else 'NO'}")
     return 0 if same else 1
 
 
