@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from . import _world
+from ._checkpoint import CheckpointManager as CheckpointManager
 from ._comm import allreduce as allreduce
 from ._comm import broadcast as broadcast
 from ._comm import local_rank as local_rank
@@ -36,6 +37,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 _world.start()
 
 __all__ = [
+    "CheckpointManager",
     "DistributedSampler",
     "LauncherMismatchError",
     "LauncherReport",

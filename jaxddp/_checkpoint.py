@@ -1,0 +1,257 @@
+"""Checkpoints every rank agrees on: written once with Orbax, restored everywhere.
+
+Orbax knows processes through ``jax.process_index()``, which is 0 on every MPI rank (jax
+knows nothing of MPI): left alone, every rank believes it is the primary writer. Here the
+first rank of the communicator does all file I/O with a single-process Orbax
+``CheckpointManager``; the others wait for its outcome, an error included, so that every
+rank raises the same error and none waits forever. A restored state is read by that rank
+and broadcast, so the directory needs to be visible to it alone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Self
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _comm, _consistency, _world
+
+__all__ = ["CheckpointManager"]
+
+_ROOT = 0
+
+
+def _is_key(leaf: Any) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _is_empty(leaf: Any) -> bool:
+    return getattr(leaf, "size", None) == 0
+
+
+def _storable_leaf(leaf: Any) -> Any:
+    if _is_key(leaf):
+        leaf = jax.random.key_data(leaf)
+    if _is_empty(leaf):  # Orbax refuses empty arrays; the target knows the shape
+        return np.zeros((), np.asarray(leaf).dtype)
+    return leaf
+
+
+def _storable(tree: Any) -> Any:
+    """``tree`` as Orbax can store it: typed PRNG keys as their key data, empty arrays as
+    a scalar placeholder."""
+    return jax.tree_util.tree_map(_storable_leaf, tree)
+
+
+def _describe(leaf: Any) -> tuple[Any, ...]:
+    if isinstance(leaf, bool | int | float | complex | str):
+        return (type(leaf).__name__,)
+    return (tuple(np.shape(leaf)), str(np.asarray(leaf).dtype) if not _is_key(leaf) else "key")
+
+
+class CheckpointManager:
+    """Saves and restores a training state, the same on every rank, with Orbax.
+
+    Used like Orbax's ``CheckpointManager``: ``save(step, state)``, ``latest_step()``,
+    ``restore(step, target)``. Every method is collective over ``comm``: every rank calls
+    it, in the same order. The first rank writes (Orbax's atomic finalize: a crash or a
+    ``kill -9`` during a save leaves the previous checkpoints intact and loadable); the others
+    wait and learn the outcome, so an error on the writer (an unwritable directory, a full
+    disk) is raised on every rank. ``restore`` reads on the first rank and broadcasts, so
+    every rank gets an identical state.
+
+    ``state`` is any pytree of arrays and numbers: parameters, optimizer state,
+    ``nnx.state(model)``, a linen ``TrainState``, the sampler's ``state_dict()``, the step
+    counter, PRNG keys (typed keys are stored as their key data and come back as keys of the
+    target's kind). The ranks' states should be identical (after
+    :func:`jaxddp.allreduce_gradients` and :func:`jaxddp.average_state` they are): the first
+    rank's is the one saved. Their structures are checked to match.
+
+    Needs ``orbax-checkpoint`` (``pip install jaxddp[checkpoint]``).
+
+    Args:
+      directory: where checkpoints go, one subdirectory per step; created if missing.
+      max_to_keep: how many of the newest checkpoints to keep; ``None`` keeps all.
+      comm: an mpi4py communicator whose ranks share the state; by default the world. jaxddp
+        talks on a private duplicate of it.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, jaxddp
+      >>> state = {"params": {"w": jnp.ones(3)}, "step": 10}
+      >>> with tempfile.TemporaryDirectory() as d, jaxddp.CheckpointManager(d) as ckpt:
+      ...     ckpt.save(10, state)
+      ...     step = ckpt.latest_step()
+      ...     restored = ckpt.restore(step, state)
+      >>> step, restored["step"], restored["params"]["w"].tolist()
+      (10, 10, [1.0, 1.0, 1.0])
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = None,
+                 comm: Any = None) -> None:  # fmt: skip
+        if max_to_keep is not None and (
+            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
+        ):
+            msg = f"Expected `max_to_keep` to be a positive int or None, got {max_to_keep!r}."
+            raise ValueError(msg)
+        self._user_comm = comm
+        self._comm = _world.check_comm(comm)
+        self._writer = self._comm.Get_rank() == _ROOT
+        self.directory = os.path.abspath(os.fspath(directory))
+        self._manager: Any = None
+
+        def open_manager() -> None:
+            import orbax.checkpoint as ocp
+
+            options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+        self._on_writer(open_manager, f"open the checkpoint directory {self.directory!r}")
+
+    # -- the one pattern: the writer acts, every rank learns the outcome --------------------
+
+    def _on_writer(self, action: Any, doing: str) -> Any:
+        """Runs ``action()`` on the writer; returns its result there (None elsewhere) and
+        raises on every rank if it failed there."""
+        result, error = None, None
+        if self._writer:
+            try:
+                result = action()
+            except Exception as e:  # noqa: BLE001 - reported on every rank below
+                error = f"{type(e).__name__}: {e}"
+        error = self._comm.bcast(error, root=_ROOT)
+        if error is not None:
+            where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
+            msg = f"Could not {doing}{where}: {error}"
+            raise RuntimeError(msg)
+        return result
+
+    def _manager_or_raise(self) -> Any:
+        if self._writer and self._manager is None:
+            msg = "This CheckpointManager is closed."
+            raise RuntimeError(msg)
+        return self._manager
+
+    # -- the API -------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any) -> None:
+        """Writes ``state`` (the first rank's) as checkpoint ``step`` and waits until it is
+        complete on disk. Collective: every rank calls it, and gets the writer's error."""
+        import orbax.checkpoint as ocp
+
+        step = _check_step(step)
+        storable = _storable(state)
+        _consistency.check_same_tree(storable, what="checkpointed state", comm=self._user_comm)
+
+        def write() -> None:
+            manager = self._manager_or_raise()
+            manager.save(step, args=ocp.args.StandardSave(storable), force=True)
+            manager.wait_until_finished()
+
+        self._on_writer(write, f"save checkpoint {step} in {self.directory!r}")
+
+    def all_steps(self) -> list[int]:
+        """The steps of the complete checkpoints, oldest first, the same on every rank."""
+        steps = self._on_writer(
+            lambda: sorted(self._manager_or_raise().all_steps()),
+            f"list the checkpoints in {self.directory!r}",
+        )
+        return self._comm.bcast(steps, root=_ROOT)
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None; the same on every rank."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def restore(self, step: int | None, target: Any) -> Any:
+        """Checkpoint ``step`` (the newest when None), on every rank, shaped as ``target``.
+
+        ``target`` is a state of the same structure, shapes and dtypes as the one saved,
+        e.g. the freshly initialized state; its values are not used. A checkpoint of another
+        structure (another model, another optimizer) raises ValueError on every rank naming
+        the first difference. The restored leaves are jax arrays where ``target`` has jax
+        arrays, typed keys where it has keys, numbers where it has numbers.
+        """
+        import orbax.checkpoint as ocp
+
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                msg = f"There is no checkpoint in {self.directory!r} to restore."
+                raise FileNotFoundError(msg)
+        step = _check_step(step)
+        storable_target = _storable(target)
+        _consistency.check_same_tree(storable_target, what="restore target", comm=self._user_comm)
+
+        def read() -> Any:
+            restored = self._manager_or_raise().restore(
+                step, args=ocp.args.StandardRestore(storable_target)
+            )
+            _check_matches(restored, storable_target, step)
+            return restored
+
+        try:
+            restored = self._on_writer(read, f"restore checkpoint {step} from {self.directory!r}")
+        except RuntimeError as e:
+            raise ValueError(str(e)) from None
+        values = restored if self._writer else storable_target
+        values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
+        return jax.tree_util.tree_map(_like, values, target)
+
+    def close(self) -> None:
+        """Waits for Orbax and releases it; collective."""
+        if self._writer and self._manager is not None:
+            manager, self._manager = self._manager, None
+            self._on_writer(manager.close, "close the checkpoint manager")
+        else:
+            self._on_writer(lambda: None, "close the checkpoint manager")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"jaxddp.CheckpointManager({self.directory!r})"
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        msg = f"Expected `step` to be a non-negative int, got {step!r} instead."
+        raise ValueError(msg)
+    return int(step)
+
+
+def _check_matches(restored: Any, target: Any, step: int) -> None:
+    """Raises ValueError naming the first leaf whose shape or dtype differs from the target's
+    (Orbax compares the structures, not always the shapes)."""
+    got = jax.tree_util.tree_flatten_with_path(restored)[0]
+    want = jax.tree_util.tree_flatten_with_path(target)[0]
+    for (path, a), (_, b) in zip(got, want, strict=True):
+        if _describe(a)[:2] != _describe(b)[:2] and not (
+            isinstance(b, bool | int | float) and np.ndim(a) == 0
+        ):
+            msg = (
+                f"Checkpoint {step} holds {_describe(a)} at `{jax.tree_util.keystr(path)}`, "
+                f"but the target has {_describe(b)} there: it is a checkpoint of another state."
+            )
+            raise ValueError(msg)
+
+
+def _like(value: Any, target: Any) -> Any:
+    """A restored leaf in the kind of the target's: keys, jax arrays, NumPy, numbers."""
+    if _is_empty(target):
+        return target
+    if _is_key(target):
+        return jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(target))
+    if isinstance(target, bool | int | float | complex):
+        return type(target)(np.asarray(value).item())
+    if isinstance(target, jax.Array):
+        return jnp.asarray(value)
+    if isinstance(target, np.ndarray | np.generic):
+        return np.asarray(value, dtype=target.dtype)
+    return value

@@ -1,0 +1,137 @@
+"""jaxddp.CheckpointManager on real ranks (2 and 4): one writer, every rank agrees."""
+
+import os
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from mpi4py import MPI
+
+import jaxddp
+
+MPI_SIZES = (2, 4)
+
+rank = jaxddp.rank()
+size = jaxddp.world_size()
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture
+def directory():
+    """A fresh directory, the same path on every rank."""
+    path = WORLD.bcast(tempfile.mkdtemp(prefix="jaxddp-ckpt-") if rank == 0 else None)
+    yield os.path.join(path, "checkpoints")
+    WORLD.Barrier()
+
+
+class Net(nnx.Module):
+    def __init__(self, rngs):
+        self.inner = nnx.Linear(3, 4, rngs=rngs)
+        self.norm = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+
+def _state(seed):
+    """A training state whose every value depends on ``seed``."""
+    model = Net(nnx.Rngs(seed))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    sampler = jaxddp.DistributedSampler(203, num_replicas=size, rank=rank, seed=seed)
+    return {
+        "model": nnx.state(model),
+        "opt": nnx.state(optimizer),
+        "sampler": sampler.state_dict(),
+        "step": 100 + seed,
+        "key": jax.random.key(seed),
+        "numpy": np.arange(4.0) * seed,
+    }
+
+
+def _flat(tree):
+    keys = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    return [np.asarray(keys(x)) if hasattr(x, "dtype") else x for x in jax.tree.leaves(tree)]
+
+
+def _assert_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(_flat(a), _flat(b), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_saved_by_one_rank_restored_identical_on_every_rank(directory):
+    mine = _state(seed=rank)  # rank-dependent: rank 0's is the one saved
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        assert ckpt.latest_step() is None
+        ckpt.save(1, mine)
+        ckpt.save(2, _state(seed=rank + 10))
+        assert ckpt.all_steps() == [1, 2]
+        assert ckpt.latest_step() == 2
+        restored = ckpt.restore(1, target=_state(seed=50))
+    _assert_equal(restored, _state(seed=0))
+    assert isinstance(restored["step"], int)
+    assert restored["step"] == 100
+    assert jnp.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
+    assert isinstance(restored["numpy"], np.ndarray)
+    assert sorted(os.listdir(directory)) == (
+        ["1", "2"] if rank == 0 else sorted(os.listdir(directory))
+    )
+    everyone = WORLD.allgather(_flat(restored))
+    for other in everyone:
+        for x, y in zip(other, everyone[0], strict=True):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_restore_none_is_the_newest_and_max_to_keep_drops_the_oldest(directory):
+    with jaxddp.CheckpointManager(directory, max_to_keep=2) as ckpt:
+        for step in range(4):
+            ckpt.save(step, {"w": jnp.full(3, float(step)), "step": step})
+        assert ckpt.all_steps() == [2, 3]
+        out = ckpt.restore(None, target={"w": jnp.zeros(3), "step": 0})
+    np.testing.assert_array_equal(out["w"], np.full(3, 3.0))
+    assert out["step"] == 3
+
+
+@pytest.mark.parametrize("wrong", ["another model", "another shape"])
+def test_a_checkpoint_of_another_state_is_a_clear_error_on_every_rank(directory, wrong):
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(5, {"params": nnx.state(nnx.Linear(3, 4, rngs=nnx.Rngs(0)))})
+        target = {
+            "another model": {
+                "params": nnx.state(nnx.Linear(3, 4, use_bias=False, rngs=nnx.Rngs(0)))
+            },
+            "another shape": {"params": nnx.state(nnx.Linear(3, 5, rngs=nnx.Rngs(0)))},
+        }[wrong]
+        with pytest.raises(ValueError, match="restore checkpoint 5"):
+            ckpt.restore(5, target)
+        # and the manager still works afterwards, on every rank
+        assert ckpt.latest_step() == 5
+
+
+def test_an_unwritable_directory_is_an_error_on_every_rank(directory):
+    blocker = WORLD.bcast(tempfile.mkstemp()[1] if rank == 0 else None)
+    with pytest.raises(RuntimeError, match=r"open the checkpoint directory") as info:
+        jaxddp.CheckpointManager(os.path.join(blocker, "checkpoints"))  # a file's subdirectory
+    assert "checkpoints" in str(info.value)
+
+
+def test_ranks_saving_different_structures_raise_on_every_rank(directory):
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        state = {"w": jnp.zeros(3)} if rank == 0 else {"w": jnp.zeros(3), "extra": jnp.zeros(1)}
+        with pytest.raises(jaxddp.TreeMismatchError):
+            ckpt.save(1, state)
+        assert ckpt.latest_step() is None
+
+
+def test_a_missing_step_is_an_error_on_every_rank(directory):
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, {"w": jnp.zeros(2)})
+        with pytest.raises(ValueError, match="restore checkpoint 7"):
+            ckpt.restore(7, {"w": jnp.zeros(2)})
+    with (
+        jaxddp.CheckpointManager(directory + "-empty") as ckpt,
+        pytest.raises(FileNotFoundError, match="no checkpoint"),
+    ):
+        ckpt.restore(None, {"w": jnp.zeros(2)})

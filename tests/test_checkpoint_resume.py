@@ -1,0 +1,69 @@
+"""Checkpoints across real kills (issue 15): a job killed with SIGKILL resumes exactly, on
+the same and on another number of ranks, and a kill during a save loses nothing saved."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness import launch
+
+SCRIPT = str(Path(__file__).with_name("scripts") / "checkpointed_training.py")
+STEPS = 39  # 3 epochs of ceil(203 / 16) steps
+
+
+def _run(tmp_path, name, np_, *extra, directory="ckpt"):
+    out = tmp_path / f"{name}.npz"
+    result = launch([SCRIPT, str(tmp_path / directory), str(out), *extra], np_, timeout=150)
+    return result, out
+
+
+def _params(path):
+    with np.load(path) as data:
+        assert int(data["steps"]) == STEPS
+        return {k: data[k] for k in data.files if k != "steps"}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    result, out = _run(tmp, "full", 2)
+    assert result.ok, result.report()
+    return _params(out)
+
+
+def _assert_close(got, expected):
+    assert got.keys() == expected.keys()
+    for k in expected:
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize(("first", "then"), [(2, 2), (2, 4), (4, 2)], ids=["2-2", "2-4", "4-2"])
+def test_killed_after_its_second_save_and_resumed_ends_as_the_uninterrupted_run(
+    tmp_path, uninterrupted, first, then
+):
+    killed, out = _run(tmp_path, "killed", first, "--kill-after-save", "2")
+    assert not killed.timed_out, killed.report()
+    assert killed.returncode != 0
+    assert "killing rank 0 after save 10" in killed.rank_logs["0"]
+    assert not out.exists()
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["10", "5"]
+    resumed, out = _run(tmp_path, "resumed", then, "--resume")
+    assert resumed.ok, resumed.report()
+    assert f"resumed from step 10 on {then} ranks" in resumed.rank_logs["0"]
+    _assert_close(_params(out), uninterrupted)
+
+
+def test_a_kill_during_a_save_leaves_the_previous_checkpoint_restorable(tmp_path, uninterrupted):
+    killed, _ = _run(tmp_path, "killed", 2, "--kill-during-save", "10", "--ballast-mb", "200")
+    assert not killed.timed_out, killed.report()
+    assert killed.returncode != 0
+    assert "killing rank 0 during save 10" in killed.rank_logs["0"]
+    names = os.listdir(tmp_path / "ckpt")
+    assert "5" in names
+    assert "10" not in names  # only Orbax's unfinished temporary folder, if anything
+    resumed, out = _run(tmp_path, "resumed", 2, "--resume", "--ballast-mb", "200")
+    assert resumed.ok, resumed.report()
+    assert "resumed from step 5 on 2 ranks" in resumed.rank_logs["0"]
+    _assert_close(_params(out), uninterrupted)
