@@ -45,7 +45,7 @@ LABELS = {
 }
 
 
-SECTIONS = ("allreduce", "peers", "step", "nnx-step", "eager", "sampler", "import")
+SECTIONS = ("allreduce", "peers", "step", "nnx-step", "eager", "sampler", "import", "checkpoint")
 PEERS = frozenset({"jax_gloo", "jax_gloo_flat", "torch_gloo"})
 PATHS = ("fast", "ordered")  # values of JAXDDP_TEST_COLLECTIVE_PATH
 TARGET_SYNC_IN_LIMITS = 3.0  # issue #11: at 2 ranks a step's sync costs at most 3x the limit
@@ -161,6 +161,8 @@ def markdown(results: dict) -> str:
         parts += nnx_step_markdown(results["nnx_step"])
     if results.get("eager"):
         parts += eager_markdown(results["eager"])
+    if results.get("checkpoint"):
+        parts += checkpoint_markdown(results["checkpoint"])
     for step in results.get("step", []):
         parts += [
             f"### Train step, {step['ranks']} ranks",
@@ -318,6 +320,28 @@ def plot_nnx_step(parts: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def checkpoint_markdown(parts: list[dict]) -> list[str]:
+    lines = [
+        "### Checkpoints",
+        "",
+        (
+            "A save of a training state (parameters and Adam's two moments, a sampler state, "
+            "a step counter) until it is complete on disk: `jaxddp.CheckpointManager.save` on "
+            "every rank (rank 0 writes, the others learn the outcome) against Orbax's own "
+            "`CheckpointManager` saving the same state in one process. Target: at most 1.2x."
+        ),
+        "",
+        "| ranks | state | Orbax, one process | jaxddp, every rank | ratio |",
+        "|---|---|---|---|---|",
+    ]
+    for m in parts:
+        lines.append(
+            f"| {m['ranks']} | {m['bytes'] / 1e6:.0f} MB | {m['orbax_s'] * 1e3:.0f} ms "
+            f"| {m['jaxddp_s'] * 1e3:.0f} ms | {m['ratio']:.2f}x |"
+        )
+    return [*lines, ""]
+
+
 def eager_markdown(parts: list[dict]) -> list[str]:
     lines = [
         "### Collectives outside jit",
@@ -449,6 +473,13 @@ def main() -> None:
         results["eager"] = run_by_path(out, "bench_eager.py", "eager", repeats, args.quick)
     if "import" in sections:
         results["import"] = import_cost(3 if args.quick else 7)
+    if "checkpoint" in sections:
+        results["checkpoint"] = []
+        for np_ in (2,) if args.quick else (2, 4):
+            part = out / f"checkpoint-np{np_}.json"
+            repeats = ["--repeats", "3" if args.quick else "9"]
+            mpi_run(np_, "bench_checkpoint.py", [*repeats, "--out", str(part)], 600)
+            results["checkpoint"].append(json.loads(part.read_text()))
     sampler = HERE / "bench_sampler.py"
     if "sampler" in sections and sampler.exists():
         sampler_json = out / "sampler.json"

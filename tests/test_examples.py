@@ -78,3 +78,24 @@ def test_digits_with_a_linen_model():
     out = result.rank_logs["0"]
     assert _accuracy(out) > 0.9
     assert "model identical on all 2 ranks: yes" in out
+
+
+def _digest(text: str) -> str:
+    match = re.search(r"final parameters: digest ([0-9a-f]+)", text)
+    assert match, text
+    return match.group(1)
+
+
+def test_digits_resumed_from_a_checkpoint_ends_as_the_uninterrupted_run(
+    digits_on_two_ranks, tmp_path
+):
+    command = ["-m", "jaxddp.examples.digits", "--batch-size", "32"]
+    command += ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    first = launch([*command, "--epochs", "1"], 2, timeout=180)
+    assert first.ok, first.report()
+    resumed = launch([*command, "--epochs", EPOCHS, "--resume"], 2, timeout=180)
+    assert resumed.ok, resumed.report()
+    out = resumed.rank_logs["0"]
+    assert "resumed after epoch 1" in out
+    assert _digest(out) == _digest(digits_on_two_ranks.rank_logs["0"])
+    assert _digest(first.rank_logs["0"]) != _digest(out)

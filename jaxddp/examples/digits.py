@@ -2,6 +2,8 @@
 
     mpiexec -n 2 python -m jaxddp.examples.digits           # 2 ranks, global batch 64
     python -m jaxddp.examples.digits --batch-size 64         # 1 rank, the same global batch
+    mpiexec -n 2 python -m jaxddp.examples.digits --checkpoint-dir ckpt   # saved every epoch
+    mpiexec -n 4 python -m jaxddp.examples.digits --checkpoint-dir ckpt --batch-size 16 --resume
 
 The digits (1,797 images of 8x8 pixels) ship with scikit-learn: nothing is downloaded. Every
 rank loads the whole data set and trains on its own shard of every epoch, chosen by
@@ -11,12 +13,16 @@ the gradients inside the optimizer, so every step is one process's step on the g
 `jaxddp.average_state` keeps the batch norm statistics identical on all ranks. Rank 0 alone
 shows progress; at the end every rank evaluates its shard of the test set, `masked_mean`
 combines them exactly, and the run checks that all ranks hold an identical model, parameters
-and batch statistics (exit status 1 if not).
+and batch statistics (exit status 1 if not). With `--checkpoint-dir` every epoch is saved
+with `jaxddp.CheckpointManager`, and `--resume` continues from the newest checkpoint, on any
+number of ranks; the run ends with a digest of its final parameters, so that a resumed run
+can be compared with an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 from typing import Any
 
@@ -107,6 +113,14 @@ def identical_on_all_ranks(tree: Any) -> bool:
     return bool(jnp.all(high == low))
 
 
+def digest(tree: Any) -> str:
+    """A short fingerprint of the values: equal digests, bitwise equal parameters."""
+    sha = hashlib.sha256()
+    for leaf in jax.tree.leaves(tree):
+        sha.update(np.asarray(leaf).tobytes())
+    return sha.hexdigest()[:16]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=DESCRIPTION)
     parser.add_argument("--epochs", type=int, default=20)
@@ -118,10 +132,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
     parser.add_argument("--seed", type=int, default=0, help="data split, shuffling and init")
+    parser.add_argument(
+        "--checkpoint-dir", default=None, help="save the training state there after every epoch"
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir (on any number of ranks)",
+    )
     args = parser.parse_args(argv)
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.resume and args.checkpoint_dir is None:
+        parser.error("--resume needs --checkpoint-dir")
     return args
 
 
@@ -145,6 +169,16 @@ def main(argv: list[str] | None = None) -> int:
 
     sampler = jaxddp.DistributedSampler(len(x_train), shuffle=True, seed=args.seed)
     steps = sampler.num_batches(args.batch_size)
+    checkpoints, first_epoch = None, 0
+    if args.checkpoint_dir is not None:
+        checkpoints = jaxddp.CheckpointManager(args.checkpoint_dir, max_to_keep=2)
+        if args.resume and checkpoints.latest_step() is not None:
+            state = checkpoints.restore(None, target=training_state(model, optimizer, sampler))
+            nnx.update(model, state["model"])
+            nnx.update(optimizer, state["optimizer"])
+            sampler.load_state_dict(state["sampler"])
+            first_epoch = sampler.epoch + 1  # checkpoints are taken at the end of an epoch
+            console.print(f"resumed after epoch {first_epoch} from {args.checkpoint_dir}")
     global_batch = args.batch_size * size
     columns = (
         TextColumn("epoch {task.fields[epoch]}"),
@@ -156,8 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     start = time.perf_counter()
     with Progress(*columns, console=console, disable=rank != 0) as progress:
-        task = progress.add_task("train", total=args.epochs * steps, epoch=1, loss=0.0, rate=0.0)
-        for epoch in range(args.epochs):
+        total, done = args.epochs * steps, first_epoch * steps
+        task = progress.add_task("train", total=total, completed=done, epoch=1, loss=0.0, rate=0.0)
+        for epoch in range(first_epoch, args.epochs):
             sampler.set_epoch(epoch)
             epoch_start, losses = time.perf_counter(), []
             for indices, mask in sampler.batches(args.batch_size):
@@ -170,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"epoch {epoch + 1}/{args.epochs}: mean loss {np.mean(losses):.4f}, "
                 f"{steps * global_batch / seconds:,.0f} samples/s"
             )
+            if checkpoints is not None:
+                checkpoints.save(epoch + 1, training_state(model, optimizer, sampler))
     elapsed = time.perf_counter() - start
 
     model.eval()  # batch norm now uses its running statistics
@@ -178,7 +215,22 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"training: {elapsed:.1f} s for {args.epochs} epochs of {steps} steps")
     console.print(f"test accuracy: {accuracy:.2%} ({len(x_test)} test images)")
     console.print(f"model identical on all {size} ranks: {'yes' if same else 'NO'}")
+    console.print(f"final parameters: digest {digest(nnx.state(model, nnx.Param))}")
+    if checkpoints is not None:
+        checkpoints.close()
     return 0 if same else 1
+
+
+def training_state(
+    model: MLP, optimizer: nnx.Optimizer, sampler: jaxddp.DistributedSampler
+) -> dict[str, Any]:
+    """Everything a resumed run needs: the model (parameters and batch statistics), the
+    optimizer's state and where the sampler is."""
+    return {
+        "model": nnx.state(model),
+        "optimizer": nnx.state(optimizer),
+        "sampler": sampler.state_dict(),
+    }
 
 
 if __name__ == "__main__":

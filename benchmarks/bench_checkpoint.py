@@ -1,0 +1,105 @@
+"""A checkpoint save with jaxddp.CheckpointManager against a single-process Orbax save.
+
+    mpiexec -n 2 python benchmarks/bench_checkpoint.py --out benchmarks/results/checkpoint-np2.json
+
+The state: parameters and Adam's two moments of a model of 24 arrays (3 x 8 MB plus 21
+small ones), about 75 MB, with a sampler state and a step counter. ``orbax``: rank 0 alone
+saves it with Orbax's own ``CheckpointManager`` (what a single-process job does), the other
+ranks waiting in a barrier. ``jaxddp``: every rank calls ``jaxddp.CheckpointManager.save``
+(rank 0 writes, the others learn the outcome). Both wait until the checkpoint is complete
+on disk. They take turns; medians. Issue 15's target: jaxddp at most 1.2x Orbax.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax.numpy as jnp
+import numpy as np
+
+import jaxddp
+from jaxddp import _comm
+
+
+def make_state() -> dict:
+    rng = np.random.default_rng(0)
+    params = {f"layer{i}": jnp.asarray(rng.normal(size=(256, 256)), jnp.float32) for i in range(21)}
+    params.update(
+        {f"big{i}": jnp.asarray(rng.normal(size=(2048, 1024)), jnp.float32) for i in range(3)}
+    )
+    return {
+        "params": params,
+        "mu": {k: v * 0.1 for k, v in params.items()},
+        "nu": {k: v * v for k, v in params.items()},
+        "sampler": {"epoch": 3, "position": 1024, "data_size": 60000, "seed": 0,
+                    "shuffle": True, "drop_last": False},
+        "step": 1000,
+    }  # fmt: skip
+
+
+def main() -> None:
+    import orbax.checkpoint as ocp
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    comm = _comm.py_comm()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    state = make_state()
+    root = comm.bcast(tempfile.mkdtemp(prefix="jaxddp-bench-ckpt-") if rank == 0 else None)
+    ours = jaxddp.CheckpointManager(f"{root}/jaxddp", max_to_keep=2)
+    theirs = None
+    if rank == 0:
+        options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
+        theirs = ocp.CheckpointManager(f"{root}/orbax", options=options)
+
+    def orbax_save(step: int) -> None:
+        if theirs is not None:
+            theirs.save(step, args=ocp.args.StandardSave(state))
+            theirs.wait_until_finished()
+        comm.Barrier()
+
+    samples: dict[str, list[float]] = {"orbax": [], "jaxddp": []}
+    fns = {"orbax": orbax_save, "jaxddp": lambda step: ours.save(step, state)}
+    for step in range(args.repeats + 1):  # the first round warms up
+        names = list(fns) if step % 2 == 0 else list(reversed(fns))
+        for name in names:
+            comm.Barrier()
+            start = time.perf_counter()
+            fns[name](step)
+            comm.Barrier()
+            if step > 0:
+                samples[name].append(time.perf_counter() - start)
+    ours.close()
+    if theirs is not None:
+        theirs.close()
+        shutil.rmtree(root, ignore_errors=True)
+    medians = {name: float(np.median(s)) for name, s in samples.items()}
+    nbytes = sum(np.asarray(x).nbytes for x in (*state["params"].values(), *state["mu"].values(),
+                                                *state["nu"].values()))  # fmt: skip
+    result = {
+        "ranks": size,
+        "bytes": int(nbytes),
+        "orbax_s": medians["orbax"],
+        "jaxddp_s": medians["jaxddp"],
+        "ratio": medians["jaxddp"] / medians["orbax"],
+        "samples": samples,
+    }
+    if rank == 0:
+        print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
