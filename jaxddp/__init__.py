@@ -8,6 +8,7 @@ uninitialized until the first jaxddp call that needs the world.
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
+from typing import TYPE_CHECKING
 
 from . import _world
 from ._checkpoint import CheckpointManager as CheckpointManager
@@ -29,6 +30,9 @@ from ._metrics import masked_mean as masked_mean
 from ._sampler import DistributedSampler as DistributedSampler
 from ._state import average_state as average_state
 
+if TYPE_CHECKING:  # imported on first use (it needs flax): see __getattr__
+    from ._batchnorm import SyncBatchNorm as SyncBatchNorm
+
 try:
     __version__ = _version("jaxddp")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
@@ -36,12 +40,24 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 _world.start()
 
+
+def __getattr__(name: str) -> object:
+    # SyncBatchNorm needs flax: imported on first use, so that `import jaxddp` does not.
+    if name == "SyncBatchNorm":
+        from ._batchnorm import SyncBatchNorm
+
+        return SyncBatchNorm
+    msg = f"module 'jaxddp' has no attribute {name!r}"
+    raise AttributeError(msg)
+
+
 __all__ = [
     "CheckpointManager",
     "DistributedSampler",
     "LauncherMismatchError",
     "LauncherReport",
     "LauncherWarning",
+    "SyncBatchNorm",
     "TreeMismatchError",
     "__version__",
     "allreduce",

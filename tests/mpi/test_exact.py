@@ -229,3 +229,57 @@ def test_a_run_resumed_on_half_as_many_ranks_ends_as_the_uninterrupted_run(stop_
     assert _identical_on_all_ranks(params, MPI.COMM_WORLD)
     _assert_same_params(params, _one_process())
     _assert_same_params(params, _train(MPI.COMM_WORLD)[0])
+
+
+# ---- batch norm over the global batch (the issue's next step) -----------------------------
+
+
+class NormNet(nnx.Module):
+    def __init__(self, comm, rngs):
+        # no bias before the norm: its gradient is 0 up to rounding, which Adam would turn
+        # into steps of +-lr in directions that differ between any two summation orders
+        self.inner = nnx.Linear(FEATURES, 16, use_bias=False, rngs=rngs)
+        self.norm = jaxddp.SyncBatchNorm(16, comm=comm, momentum=0.8, rngs=rngs)
+        self.head = nnx.Linear(16, CLASSES, rngs=rngs)
+
+    def __call__(self, x, mask):
+        return self.head(jax.nn.relu(self.norm(self.inner(x), mask=mask[:, None])))
+
+
+def _train_sync_batch_norm(comm):
+    """One shuffled epoch of N = 203 with the global batch 16 over ``comm``'s ranks; the
+    model's whole state (parameters and batch statistics) at the end."""
+    model = NormNet(comm, nnx.Rngs(0))
+    tx = optax.chain(jaxddp.allreduce_gradients(comm=comm), optax.adam(1e-2))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y, mask):
+        def loss_fn(m):
+            per_sample = optax.softmax_cross_entropy_with_integer_labels(m(x, mask), y)
+            return jaxddp.masked_mean(per_sample, mask, comm=comm)
+
+        optimizer.update(model, nnx.grad(loss_fn)(model))
+
+    sampler = jaxddp.DistributedSampler(N, shuffle=True, seed=5, comm=comm)
+    for indices, mask in sampler.batches(GLOBAL_BATCH // comm.Get_size()):
+        step(model, optimizer, X[indices], Y[indices], mask)
+    model.eval()
+    return nnx.state(model), model(X[:8], np.ones(8, bool))
+
+
+def test_sync_batch_norm_on_w_ranks_trains_as_one_process_batch_norm():
+    state, out = _train_sync_batch_norm(MPI.COMM_WORLD)
+    assert _identical_on_all_ranks(state, MPI.COMM_WORLD)  # no average_state needed
+    one_state, one_out = _train_sync_batch_norm(SELF)
+    _assert_same_params(state, one_state)  # parameters and running statistics
+    np.testing.assert_allclose(out, one_out, rtol=1e-5, atol=1e-5)
+    # and on one process it is Flax's own batch norm (the same statistics, masked)
+    flax_norm = nnx.BatchNorm(16, momentum=0.8, rngs=nnx.Rngs(0))
+    ours = jaxddp.SyncBatchNorm(16, comm=SELF, momentum=0.8, rngs=nnx.Rngs(0))
+    x = jnp.asarray(X[:10, :1] * np.arange(16) + X[:10, 1:2])
+    mask = jnp.arange(10) < 7
+    np.testing.assert_allclose(
+        ours(x, mask=mask[:, None]), flax_norm(x, mask=mask[:, None]), rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(ours.var[...], flax_norm.var[...], rtol=1e-5)
