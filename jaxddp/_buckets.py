@@ -11,7 +11,16 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["ALONE_BYTES", "BUCKET_BYTES", "MPI_DTYPES", "plan", "split", "wire_dtype"]
+__all__ = [
+    "ALONE_BYTES",
+    "BUCKET_BYTES",
+    "MAX_COUNT",
+    "MPI_DTYPES",
+    "chunks",
+    "plan",
+    "split",
+    "wire_dtype",
+]
 
 # Leaves of at least this many bytes travel alone; smaller ones of one dtype are packed into
 # flat buckets of up to BUCKET_BYTES, so that a tree of many small leaves costs a few MPI
@@ -19,6 +28,11 @@ __all__ = ["ALONE_BYTES", "BUCKET_BYTES", "MPI_DTYPES", "plan", "split", "wire_d
 # (Chosen from measurements: see benchmarks/.)
 ALONE_BYTES = 1 << 20
 BUCKET_BYTES = 4 << 20
+
+# The most elements one MPI call may carry: MPI counts are C ints, and mpi4jax's handlers
+# cast the count to int, so a larger buffer ends the job inside MPI. Larger buffers travel
+# in chunks of at most this many elements (see chunks).
+MAX_COUNT = (1 << 31) - 1
 
 # dtypes MPI (and mpi4jax) can carry as they are.
 MPI_DTYPES = frozenset(
@@ -76,3 +90,17 @@ def split(flat: Any, like: list[Any]) -> list[Any]:
         pieces.append(flat[offset : offset + x.size].reshape(x.shape))
         offset += x.size
     return pieces
+
+
+def chunks(size: int, limit: int | None = None) -> list[tuple[int, int]]:
+    """``(start, stop)`` of the pieces a flat buffer of ``size`` elements travels in: one
+    piece unless it has more than ``limit`` (by default :data:`MAX_COUNT`) elements.
+
+    Example:
+      >>> chunks(10, limit=4)
+      [(0, 4), (4, 8), (8, 10)]
+      >>> chunks(2**31 + 5)
+      [(0, 2147483647), (2147483647, 2147483653)]
+    """
+    limit = MAX_COUNT if limit is None else limit
+    return [(start, min(start + limit, size)) for start in range(0, max(size, 1), limit)]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _host, _primitive
-from ._buckets import plan, split, wire_dtype
+from ._buckets import chunks, plan, split, wire_dtype
 from ._world import (
     init,
     jax_comm,
@@ -93,11 +93,29 @@ def _fused(leaves: list[jax.Array], collective: Any, *, arithmetic: bool) -> lis
         wire[g[0]] if len(g) == 1 else jnp.concatenate([wire[i].ravel() for i in g]) for g in groups
     ]
     out: list[Any] = list(wire)  # empty leaves stay as they are
-    for group, flat in zip(groups, collective(buffers), strict=True):
+    for group, flat in zip(groups, _chunked(collective, buffers), strict=True):
         pieces = [flat] if len(group) == 1 else split(flat, [wire[i] for i in group])
         for i, piece in zip(group, pieces, strict=True):
             out[i] = piece
     return [_from_wire(x, like, arithmetic) for x, like in zip(out, leaves, strict=True)]
+
+
+def _chunked(collective: Any, buffers: list[jax.Array]) -> list[jax.Array]:
+    """``collective(buffers)``, with each buffer of more than :data:`MAX_COUNT` elements
+    cut into chunks that an MPI call can count, and put back together after."""
+    bounds = [chunks(b.size) for b in buffers]
+    if all(len(b) == 1 for b in bounds):
+        return collective(buffers)
+    pieces = []
+    for b, spans in zip(buffers, bounds, strict=True):
+        flat = b if len(spans) == 1 else b.ravel()
+        pieces.extend([b] if len(spans) == 1 else [flat[i:j] for i, j in spans])
+    done = iter(collective(pieces))
+    out = []
+    for b, spans in zip(buffers, bounds, strict=True):
+        parts = [next(done) for _ in spans]
+        out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts).reshape(b.shape))
+    return out
 
 
 def _channels(comm: Any) -> tuple[int, int, Any, Any]:
@@ -117,6 +135,74 @@ def _channels(comm: Any) -> tuple[int, int, Any, Any]:
 _LOW_FLOATS = frozenset(
     np.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 )
+
+
+def _is_key(dtype: Any) -> bool:
+    return not isinstance(dtype, np.dtype | None) and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _leaf_dtype(x: Any) -> Any:
+    """A leaf's dtype without converting it; Python numbers by their kind."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is not None or not isinstance(x, bool | int | float | complex):
+        return dtype
+    return np.dtype(type(x))
+
+
+def leaf_path(tree: Any, index: int) -> str:
+    """The path (``jax.tree_util.keystr``) of the ``index``-th leaf of ``tree``, for errors."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return jax.tree_util.keystr(flat[index][0])
+
+
+def check_reducible(tree: Any, leaves: list[Any], op: str, what: str) -> None:
+    """Raises, naming the leaf, for a leaf that ``op`` cannot reduce: a typed PRNG key
+    (TypeError), or a complex number with ``max``/``min`` (ValueError).
+
+    Decided from dtypes alone, before anything is sent, so every rank (whose trees match)
+    raises the same error and no rank is left waiting in a collective.
+    """
+    for i, leaf in enumerate(leaves):
+        dtype = _leaf_dtype(leaf)
+        if dtype is None:
+            continue
+        if _is_key(dtype):
+            msg = (
+                f"`{what}` cannot reduce the PRNG key at `{leaf_path(tree, i)}` "
+                f"({dtype}{list(np.shape(leaf))}): keys are not numbers to add or compare. "
+                "Expected arrays of numbers or booleans; give every rank root's keys with "
+                "`jaxddp.broadcast` or `jaxddp.synchronize`, or leave the keys out of the "
+                "tree (e.g. `nnx.state(model, nnx.Param)`)."
+            )
+            raise TypeError(msg)
+        if op in ("max", "min") and np.dtype(dtype).kind == "c":
+            msg = (
+                f"`{what}` with op={op!r} got a complex leaf at `{leaf_path(tree, i)}` "
+                f"({np.dtype(dtype).name}), which has no order. Expected real or boolean leaves "
+                "for 'max' and 'min'; reduce its real and imaginary parts (or its absolute "
+                "value) instead, or use 'sum' or 'mean'."
+            )
+            raise ValueError(msg)
+
+
+def _widen(x: Any, op: str) -> Any:
+    """A leaf in the dtype it is reduced in: booleans as uint8 for max and min (or and and)
+    and as int32 for sum and mean (a count), bfloat16 and float16 as float32 (so a mean
+    divides before it is rounded back), other dtypes MPI lacks as :func:`wire_dtype` says."""
+    if x.dtype == np.bool_:
+        return x.astype(np.uint8 if op in ("max", "min") else np.int32)
+    wide = wire_dtype(x.dtype, arithmetic=True)
+    return x if wide == x.dtype else x.astype(wide)
+
+
+def _narrow(x: Any, dtype: Any, op: str) -> Any:
+    """A reduced leaf back in the dtype a user gets: that of the leaf, except that a sum of
+    booleans is an int32 count and a mean of integers or booleans is float32."""
+    if dtype == np.bool_ and op in ("sum", "mean"):
+        return x
+    if op == "mean" and not jnp.issubdtype(dtype, jnp.inexact):
+        return x
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 def _is_concrete(x: Any) -> bool:
@@ -145,7 +231,13 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
 
     Args:
       tree: a pytree of arrays or numbers. Shapes and dtypes are kept, except that
-        ``"mean"`` of an integer leaf is a float32 leaf, as with ``jnp.mean``.
+        ``"mean"`` of an integer leaf is a float32 leaf, as with ``jnp.mean``. Boolean
+        leaves: ``"max"`` is a logical or, ``"min"`` a logical and (both stay boolean),
+        ``"sum"`` the int32 count of True and ``"mean"`` its float32 fraction. bfloat16
+        and float16 leaves are reduced (and a mean divided) in float32, then rounded once.
+        Typed PRNG keys are refused (TypeError), and so are complex leaves with ``"max"``
+        or ``"min"`` (ValueError), before anything is sent; the error names the leaf.
+        Leaves of 2**31 elements or more travel in chunks an MPI call can count.
       op: ``"sum"``, ``"mean"`` (sum divided by the world size), ``"max"`` or ``"min"``.
       comm: an mpi4py communicator to reduce over; by default ``COMM_WORLD``. jaxddp
         communicates on private duplicates of it, so it stays free for the caller's own
@@ -167,9 +259,12 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
     check_op(op)
     _, size, jax_comm, host_comm = _channels(comm)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    check_reducible(tree, leaves, op, "allreduce")
     mpi_op = _mpi_op(op)
     if all(_is_concrete(x) for x in leaves):
         leaves = [np.asarray(x) for x in leaves]
+        dtypes = [x.dtype for x in leaves]
+        leaves = [_widen(x, op) for x in leaves]
         if size > 1:
             leaves = _host.allreduce(leaves, mpi_op, host_comm)
     elif size > 1:
@@ -181,14 +276,20 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
             # one division per buffer, before it is cut back into leaves
             return [b / size if jnp.issubdtype(b.dtype, jnp.inexact) else b for b in out]
 
-        leaves = _fused([jnp.asarray(x) for x in leaves], reduce, arithmetic=True)
+        leaves = [jnp.asarray(x) for x in leaves]
+        dtypes = [x.dtype for x in leaves]
+        leaves = _fused([_widen(x, op) for x in leaves], reduce, arithmetic=True)
         if op == "mean":  # integer and boolean leaves: their float32 mean
             leaves = [x if jnp.issubdtype(x.dtype, jnp.inexact) else _mean(x, size) for x in leaves]
+        leaves = [_narrow(x, d, op) for x, d in zip(leaves, dtypes, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, leaves)
     else:
         leaves = [jnp.asarray(x) for x in leaves]
+        dtypes = [x.dtype for x in leaves]
+        leaves = [_widen(x, op) for x in leaves]
     if op == "mean":
         leaves = [_mean(x, size) for x in leaves]
+    leaves = [_narrow(x, d, op) for x, d in zip(leaves, dtypes, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -204,40 +305,80 @@ def _is_number_or_array(leaf: Any) -> bool:
 
 
 def _restore(old: Any, new: Any) -> Any:
-    """A received value in the kind of its leaf: a number stays a number, a jax array a
-    jax array, a NumPy array a NumPy array."""
+    """A received value in the kind of its leaf: a number stays a number (of the result's
+    kind: a mean of ints is a float, a count of bools an int), a jax array a jax array, a
+    NumPy array a NumPy array."""
     if not _is_concrete(new):
         return new
     if isinstance(old, int | float | complex):
-        return type(old)(np.asarray(new).item())
+        value = np.asarray(new).item()
+        return type(old)(value) if type(value) is type(np.asarray(old).item()) else value
     if isinstance(old, jax.Array):
         return jnp.asarray(new)
     return new
 
 
-def _rooted(tree: Any, root: int, comm: Any, traced: Any, host: Any, *, arithmetic: bool) -> Any:
+def _rooted(
+    tree: Any,
+    root: int,
+    comm: Any,
+    traced: Any,
+    host: Any,
+    *,
+    arithmetic: bool,
+    op: str | None = None,
+) -> Any:
     """Applies a rooted collective to the array and number leaves; others pass unchanged.
 
     ``traced(buffers, jax_comm)`` runs it in compiled code, ``host(leaves, host_comm)`` on
-    concrete values.
+    concrete values. A reduction (``op`` given) refuses the leaves it cannot reduce before
+    anything is sent, reduces each leaf in the dtype :func:`_widen` gives it and, on
+    ``root``, divides a ``"mean"``; the other ranks get their leaves back. A broadcast
+    (``op=None``) moves a typed PRNG key as its key data and gives back a key.
     """
-    _, size, jax_comm, host_comm = _channels(comm)
+    rank, size, jax_comm, host_comm = _channels(comm)
     check_root(root, size)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if op is not None:
+        check_reducible(tree, leaves, op, "reduce")
     picked = [i for i, leaf in enumerate(leaves) if _is_number_or_array(leaf)]
-    if size > 1 and picked:
-        values = [leaves[i] for i in picked]
-        if all(_is_concrete(x) for x in values):
-            done = host([np.asarray(x) for x in values], host_comm)
-        else:
-            done = _fused(
-                [jnp.asarray(x) for x in values],
-                lambda bs: traced(bs, jax_comm),
-                arithmetic=arithmetic,
-            )
-        for i, new in zip(picked, done, strict=True):
-            leaves[i] = _restore(leaves[i], new)
+    if not picked or (size == 1 and op is None):
+        return tree
+    values = [leaves[i] for i in picked]
+    concrete = all(_is_concrete(x) for x in values)
+    keys = [_is_key(_leaf_dtype(x)) for x in values]
+    values = [jax.random.key_data(x) if key else x for x, key in zip(values, keys, strict=True)]
+    values = [np.asarray(x) if concrete else jnp.asarray(x) for x in values]
+    dtypes = [x.dtype for x in values]
+    if op is not None:
+        values = [_widen(x, op) for x in values]
+    if size > 1 and concrete:
+        values = host(values, host_comm)
+    elif size > 1:
+        values = _fused(
+            [jnp.asarray(x) for x in values],
+            lambda bs: traced(bs, jax_comm),
+            arithmetic=arithmetic,
+        )
+    for i, got, dtype, key in zip(picked, values, dtypes, keys, strict=True):
+        leaves[i] = _restore(
+            leaves[i],
+            _finish(got, dtype, key=key, leaf=leaves[i], op=op, is_root=rank == root, size=size),
+        )
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _finish(
+    x: Any, dtype: Any, *, key: bool, leaf: Any, op: str | None, is_root: bool, size: int
+) -> Any:
+    """A leaf after a rooted collective, in the dtype it is given back in."""
+    if op is not None and is_root:
+        return _narrow(_mean(x, size) if op == "mean" else x, dtype, op)
+    if op is not None:  # not root: its own values, back in their own dtype (exactly)
+        return x if x.dtype == dtype else x.astype(dtype)
+    if key:  # a broadcast key: its key data, made a key again
+        return jax.random.wrap_key_data(jnp.asarray(x), impl=jax.random.key_impl(leaf))
+    return x
 
 
 def broadcast(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
@@ -245,8 +386,10 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
 
     Leaves that are neither arrays nor numbers (strings, callables, ...) are returned
     unchanged; the others keep their kind (a jax array stays a jax array, a number a
-    number). Every rank must pass a tree of the same structure, shapes and dtypes; use
-    :func:`jaxddp.synchronize` to have that checked first. Works inside ``jax.jit``.
+    number). Typed PRNG keys (``jax.random.key``, the keys of ``flax.nnx.Rngs``) travel as
+    their key data and come back as keys of the same implementation. Every rank must pass
+    a tree of the same structure, shapes and dtypes; use :func:`jaxddp.synchronize` to have
+    that checked first. Works inside ``jax.jit``.
 
     Example:
       >>> import jax.numpy as jnp, jaxddp
@@ -268,8 +411,8 @@ def reduce(tree: Any, op: str, root: int = 0, *, comm: Any = None) -> Any:
     """Reduces every array and number leaf onto ``root``.
 
     On ``root`` the leaves hold the reduction (``"mean"`` divides the sum by the world
-    size); on the other ranks they are returned as they were passed. Other leaves are
-    returned unchanged.
+    size), with the dtypes and refusals of :func:`allreduce`; on the other ranks they are
+    returned as they were passed. Other leaves are returned unchanged.
 
     Example:
       >>> import jax.numpy as jnp, jaxddp
@@ -279,21 +422,12 @@ def reduce(tree: Any, op: str, root: int = 0, *, comm: Any = None) -> Any:
     """
     check_op(op)
     mpi_op = _mpi_op(op)
-    out = _rooted(
+    return _rooted(
         tree,
         root,
         comm,
         lambda bs, c: _primitive.reduce_many(bs, mpi_op, root, c),
         lambda xs, c: _host.reduce(xs, mpi_op, root, c),
         arithmetic=True,
+        op=op,
     )
-    rank, size, _, _ = _channels(comm)
-    if op != "mean" or rank != root:
-        return out
-
-    def mean(x: Any) -> Any:
-        if isinstance(x, int | float | complex):
-            return x / size
-        return _mean(x, size) if _is_number_or_array(x) else x
-
-    return jax.tree_util.tree_map(mean, out)

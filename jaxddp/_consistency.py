@@ -58,7 +58,8 @@ def _leaf_kind(leaf: Any) -> str:
     shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
     if shape is None or dtype is None:
         return type(leaf).__name__
-    return f"{np.dtype(dtype).name}[{','.join(map(str, shape))}]"
+    name = np.dtype(dtype).name if isinstance(dtype, np.dtype) else str(dtype)  # key<fry>
+    return f"{name}[{','.join(map(str, shape))}]"
 
 
 def _explain(descriptions: list[list[tuple[str, str]]], what: str) -> str:

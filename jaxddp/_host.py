@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._buckets import ALONE_BYTES, MPI_DTYPES, plan, split, wire_dtype
+from ._buckets import ALONE_BYTES, MPI_DTYPES, chunks, plan, split, wire_dtype
 
 __all__ = ["allreduce", "broadcast", "reduce"]
 
@@ -34,7 +34,8 @@ def _unwire(x: np.ndarray, like: np.dtype, arithmetic: bool) -> np.ndarray:
 def _apply(
     leaves: list[Any], call: Any, *, arithmetic: bool, receive: bool = True
 ) -> list[np.ndarray]:
-    """Runs ``call(buffer)`` in place on each packed buffer; returns the unpacked leaves.
+    """Runs ``call(buffer)`` in place on each packed buffer (on each chunk of one of more
+    than :data:`MAX_COUNT` elements); returns the unpacked leaves.
 
     ``receive=False`` (a rank whose buffers are only sent) skips the unpacking.
     """
@@ -43,7 +44,8 @@ def _apply(
     out: list[np.ndarray] = list(wire)  # empty leaves stay as they are
     for group in plan(wire):
         buffer = np.concatenate([wire[i].ravel() for i in group])  # a writable copy
-        call(buffer)
+        for start, stop in chunks(buffer.size):  # views: each call works in place
+            call(buffer[start:stop])
         if receive:
             for i, piece in zip(group, split(buffer, [wire[i] for i in group]), strict=True):
                 out[i] = piece
@@ -55,12 +57,15 @@ def allreduce(leaves: list[np.ndarray], op: Any, comm: Any) -> list[np.ndarray]:
     from mpi4py import MPI
 
     dtype = leaves[0].dtype
-    if dtype in MPI_DTYPES and all(x.dtype == dtype for x in leaves):
+    if (
+        dtype in MPI_DTYPES
+        and all(x.dtype == dtype for x in leaves)
+        and sum(x.nbytes for x in leaves) < ALONE_BYTES
+    ):
         # The common case (a few metrics of one dtype) kept short: one buffer, one call.
         buffer = np.concatenate([x.ravel() for x in leaves])
-        if buffer.nbytes < ALONE_BYTES:
-            comm.Allreduce(MPI.IN_PLACE, buffer, op)
-            return split(buffer, leaves)
+        comm.Allreduce(MPI.IN_PLACE, buffer, op)
+        return split(buffer, leaves)
     return _apply(leaves, lambda b: comm.Allreduce(MPI.IN_PLACE, b, op), arithmetic=True)
 
 

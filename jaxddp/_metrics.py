@@ -34,6 +34,8 @@ def masked_mean(values: Any, mask: Any, *, comm: Any = None) -> jax.Array:
       An array of shape ``values.shape[mask.ndim:]``, identical on every rank: the mean over
       the mask's axes. Its dtype is that of ``values``, or float32 for integer or boolean
       ``values``. Where no rank has a True entry the count is 0 and the result is ``nan``.
+      bfloat16 and float16 values are summed and divided in float32 (in float64 outside
+      ``jax.jit``), then rounded once to their dtype.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxddp
@@ -48,12 +50,14 @@ def masked_mean(values: Any, mask: Any, *, comm: Any = None) -> jax.Array:
     mask = jnp.asarray(mask)
     _check(values, mask)
     dtype = values.dtype if jnp.issubdtype(values.dtype, jnp.inexact) else jnp.float32
+    # bfloat16 and float16 are summed in float32: 4096 entries of 20.0 overflow float16
+    wide = jnp.promote_types(dtype, jnp.float32)
     where = mask.reshape(mask.shape + (1,) * (values.ndim - mask.ndim))
     axes = tuple(range(mask.ndim))
-    total = jnp.sum(jnp.where(where, values.astype(dtype), jnp.zeros((), dtype)), axis=axes)
+    total = jnp.sum(jnp.where(where, values.astype(wide), jnp.zeros((), wide)), axis=axes)
     count = jnp.sum(mask, dtype=jnp.int32)
     reduced = allreduce({"total": total, "count": count}, op="sum", comm=comm)
-    return reduced["total"] / reduced["count"].astype(dtype)
+    return (reduced["total"] / reduced["count"].astype(wide)).astype(dtype)
 
 
 def _check(values: Any, mask: Any) -> None:

@@ -30,7 +30,7 @@ def test_every_boolean_takes_the_same_words_for_off(value):
 
 def test_unset_or_empty_means_the_default():
     for env in ({}, {name.name: "" for name in _settings.SETTINGS}):
-        assert _settings.check_trees(env) is False
+        assert _settings.check_trees(env) is True
         assert _settings.abort_on_error(env) is True
         assert _settings.skip_launcher_check(env) is SkipLevel.NONE
         assert _settings.check_timeout(env) == 60.0

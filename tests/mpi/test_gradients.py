@@ -178,6 +178,55 @@ def test_check_from_the_environment(monkeypatch):
         tx.update(grads, tx.init(None))
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize(
+    ("mine", "pattern"),
+    [
+        (
+            jnp.ones(3, jnp.float32 if rank == 0 else jnp.int32),
+            r"rank 0 has float32\[3\], rank 1 has int32\[3\]",
+        ),
+        (jnp.ones((2, 3) if rank == 0 else (3, 2)), r"rank 0 has float32\[2,3\], rank 1 has"),
+    ],
+    ids=["dtype", "shape"],
+)
+def test_mismatched_gradients_raise_by_default_instead_of_reducing_garbage(
+    monkeypatch, mine, pattern, jit
+):
+    """Same sizes, so MPI would happily add the bytes together: the default check refuses."""
+    monkeypatch.delenv("JAXDDP_CHECK", raising=False)
+    tx = jaxddp.allreduce_gradients()
+    update = jax.jit(tx.update) if jit else tx.update
+    with pytest.raises(jaxddp.TreeMismatchError, match=r"\['w'\]`: " + pattern):
+        update({"w": mine}, tx.init(None))
+
+
+@pytest.mark.parametrize(("variable", "calls"), [(None, 1), ("0", 0), ("off", 0)])
+def test_the_default_check_runs_once_per_compilation_not_per_step(monkeypatch, variable, calls):
+    from jaxddp import _gradients
+
+    if variable is None:
+        monkeypatch.delenv("JAXDDP_CHECK", raising=False)
+    else:
+        monkeypatch.setenv("JAXDDP_CHECK", variable)
+    seen = []
+    check = _gradients.check_same_tree
+    monkeypatch.setattr(
+        _gradients, "check_same_tree", lambda *a, **k: (seen.append(1), check(*a, **k))[1]
+    )
+    params, _, _ = _mlp_data()
+    tx = optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.1))
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    grads = jax.tree.map(lambda p: jnp.full_like(p, rank + 1.0), params)
+    for _ in range(20):
+        updates, state = step(grads, state, params)
+    assert len(seen) == calls
+    mean = np.mean(np.arange(1, size + 1))
+    for leaf in jax.tree.leaves(updates):
+        np.testing.assert_allclose(leaf, -0.1 * mean, rtol=1e-6)
+
+
 def test_synchronize_gives_every_rank_roots_params_and_adam_state():
     root = size - 1
     params = _init(seed=rank, n_experts=2)
