@@ -1,4 +1,5 @@
-"""A leaf of more than 2**31 elements, on 2 real ranks: MPI counts are C ints, so such a leaf
+"""Shared by test_large_leaves_jit.py and test_large_leaves_host.py: a leaf of more than
+2**31 elements, on 2 real ranks: MPI counts are C ints, so such a leaf
 travels in chunks of at most ``MAX_COUNT`` elements (an MPI call with the whole count would
 end the job inside MPICH).
 
@@ -11,14 +12,11 @@ and past 2**31.
 import gc
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxddp
 from jaxddp._buckets import MAX_COUNT
-
-MPI_SIZES = (2,)
 
 rank = jaxddp.rank()
 size = jaxddp.world_size()
@@ -28,7 +26,7 @@ WINDOWS = [(0, 4), (MAX_COUNT - 3, MAX_COUNT + 3), (2**31, 2**31 + 5), (N - 4, N
 
 
 @pytest.fixture(autouse=True)
-def _free_memory():
+def free_memory():
     yield
     gc.collect()
 
@@ -60,40 +58,3 @@ def _check(got, want):
     for (a, b), g, w in zip(WINDOWS, got, want, strict=True):
         assert np.asarray(g).dtype == w.dtype, (a, b)
         np.testing.assert_array_equal(np.asarray(g), w, err_msg=f"positions {a}..{b}")
-
-
-def test_allreduce_of_a_leaf_past_2_31_elements_under_jit():
-    def step():
-        big = _pattern(jnp) + jnp.uint8(rank)
-        return _windows(jaxddp.allreduce({"big": big}, "sum")["big"])
-
-    _check(jax.jit(step)(), _expected_sum())
-
-
-def test_allreduce_of_a_leaf_past_2_31_elements_on_concrete_values():
-    big = _pattern(np)
-    big += np.uint8(rank)
-    out = jaxddp.allreduce({"big": big}, "sum")["big"]
-    assert out.shape == (N,)
-    del big
-    _check(_windows(out), _expected_sum())
-
-
-def test_broadcast_of_a_bool_leaf_past_2_31_elements_under_jit():
-    def step():
-        flags = (_pattern(jnp) + jnp.uint8(rank)) % 3 == 0
-        return _windows(jaxddp.broadcast({"flags": flags}, root=1)["flags"])
-
-    _check(jax.jit(step)(), _expected_broadcast(root=1))
-
-
-def test_broadcast_of_a_bool_leaf_past_2_31_elements_on_concrete_values():
-    values = _pattern(np)
-    values += np.uint8(rank)
-    values %= 3
-    flags = values == 0
-    del values
-    out = jaxddp.broadcast({"flags": flags}, root=1)["flags"]
-    del flags
-    assert out.shape == (N,)
-    _check(_windows(out), _expected_broadcast(root=1))
