@@ -227,7 +227,10 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
     alone. Every rank must call it with a tree of the same structure, shapes and dtypes.
     Inside ``jax.jit`` it adds no JAX effect, so the step keeps JAX's fast dispatch path.
     Outside it (concrete values: metrics, evaluation) the values go through mpi4py
-    directly and come back as NumPy arrays.
+    directly and come back as NumPy arrays. It differentiates like ``jax.lax.psum``: the
+    cotangents are summed over the ranks (every rank computes the same result from every
+    rank's values); ``"max"`` and ``"min"`` pass the gradient to the rank holding the
+    extreme, shared equally among ranks that tie.
 
     Args:
       tree: a pytree of arrays or numbers. Shapes and dtypes are kept, except that

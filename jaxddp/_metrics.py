@@ -22,6 +22,12 @@ def masked_mean(values: Any, mask: Any, *, comm: Any = None) -> jax.Array:
     whatever their share: padding duplicates from :class:`jaxddp.DistributedSampler` (mask
     False) are ignored, even when they hold ``nan`` or ``inf``. Every rank must call it.
 
+    It is the documented way to write a loss: ``masked_mean(per_sample_loss, mask)`` is
+    the loss one process computes on the global batch, and its gradient (jaxddp's
+    collectives differentiate like ``jax.lax.psum``), averaged over the ranks by
+    :func:`jaxddp.allreduce_gradients`, is one process's gradient, on padded and short
+    batches too.
+
     Args:
       values: an array whose leading axes are the samples, e.g. a per-sample loss of shape
         ``(batch,)`` or per-sample vectors of shape ``(batch, k)``.
