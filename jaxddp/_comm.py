@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.core import Tracer
 
 from . import _host, _primitive
 from ._buckets import chunks, plan, split, wire_dtype
@@ -206,7 +207,7 @@ def _narrow(x: Any, dtype: Any, op: str) -> Any:
 
 
 def _is_concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)  # pyright: ignore[reportAttributeAccessIssue]
+    return not isinstance(x, Tracer)
 
 
 def _mean(x: Any, size: int) -> Any:
@@ -266,6 +267,9 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
     mpi_op = _mpi_op(op)
     if all(_is_concrete(x) for x in leaves):
         leaves = [np.asarray(x) for x in leaves]
+        metrics = _host.metrics(leaves, mpi_op, host_comm, size, mean=op == "mean")
+        if metrics is not None:  # the common case, a few floats, kept short
+            return jax.tree_util.tree_unflatten(treedef, metrics)
         dtypes = [x.dtype for x in leaves]
         leaves = [_widen(x, op) for x in leaves]
         if size > 1:

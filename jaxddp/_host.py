@@ -52,6 +52,34 @@ def _apply(
     return [_unwire(x, d, arithmetic) for x, d in zip(out, dtypes, strict=True)]
 
 
+_METRIC_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64"))
+
+
+def metrics(
+    leaves: list[np.ndarray], op: Any, comm: Any, size: int, *, mean: bool
+) -> list[np.ndarray] | None:
+    """``allreduce`` of a few float32 or float64 arrays of one dtype (what a training loop
+    logs every step): one buffer, one MPI call, the mean divided in place. None when the
+    leaves are anything else, for the general path to handle."""
+    from mpi4py import MPI
+
+    if not leaves:
+        return None
+    dtype = leaves[0].dtype
+    if dtype not in _METRIC_DTYPES or any(x.dtype != dtype for x in leaves):
+        return None
+    buffer = (
+        np.concatenate([x.ravel() for x in leaves]) if len(leaves) > 1 else leaves[0].ravel().copy()
+    )
+    if buffer.nbytes >= ALONE_BYTES:
+        return None
+    if size > 1:
+        comm.Allreduce(MPI.IN_PLACE, buffer, op)
+    if mean:
+        buffer /= size
+    return split(buffer, leaves)
+
+
 def allreduce(leaves: list[np.ndarray], op: Any, comm: Any) -> list[np.ndarray]:
     """Each leaf reduced with the MPI op ``op`` over ``comm``, as NumPy arrays."""
     from mpi4py import MPI
