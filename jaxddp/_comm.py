@@ -300,13 +300,6 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def host_allreduce(buffers: list[np.ndarray], comm: Any = None) -> list[np.ndarray]:
-    """Sums NumPy buffers across ranks through mpi4py (no JAX dispatch); a world of one
-    gets them back as they are."""
-    _, size, _, host_comm = _channels(comm)
-    return _host.allreduce(buffers, _mpi_op("sum"), host_comm) if size > 1 else buffers
-
-
 def _is_number_or_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex)
 

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._comm import _is_concrete, allreduce
-from ._comm import host_allreduce as _host_allreduce
+from ._comm import _channels, _is_concrete, allreduce
 
 __all__ = ["masked_mean"]
 
@@ -85,15 +84,20 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
     """The same mean on concrete values, in NumPy: the masked sums (accumulated in double
     precision) and the count travel in one buffer, one MPI call."""
     _check(values, mask)
-    inexact = values.dtype.kind in "fc" or jnp.issubdtype(values.dtype, jnp.inexact)
+    kind = values.dtype.kind
+    inexact = kind in "fc" or jnp.issubdtype(values.dtype, jnp.inexact)
     dtype = values.dtype if inexact else np.dtype(np.float32)
-    wide = np.complex128 if values.dtype.kind == "c" else np.float64
+    wide = np.complex128 if kind == "c" else np.float64
     picked = values[mask]  # the real entries, stacked: padding (even nan) never summed
-    total = picked.sum(axis=0, dtype=wide)
-    buffer = np.empty(total.size + 1, wide)
-    buffer[:-1] = total.ravel()
+    tail = values.shape[mask.ndim :]
+    buffer = np.empty(int(np.prod(tail, dtype=np.int64)) + 1, wide)
+    picked.sum(axis=0, dtype=wide, out=buffer[:-1].reshape(tail))
     buffer[-1] = len(picked)
-    (buffer,) = _host_allreduce([buffer], comm)
+    _, size, _, host_comm = _channels(comm)
+    if size > 1:
+        from mpi4py import MPI
+
+        host_comm.Allreduce(MPI.IN_PLACE, buffer, MPI.SUM)
     if buffer[-1] == 0:  # no rank has a real entry
-        return np.full(total.shape, np.nan, dtype)
-    return (buffer[:-1] / buffer[-1]).reshape(total.shape).astype(dtype)
+        return np.full(tail, np.nan, dtype)
+    return (buffer[:-1] / buffer[-1]).reshape(tail).astype(dtype, copy=False)
