@@ -1,0 +1,78 @@
+"""A small data-parallel loop that stalls in the way MODE says, for the stall inspector tests.
+
+``python stall.py MODE``: the last rank misbehaves at batch 3 (``sleep``: sleeps forever in its
+data loading; ``break_exit``: leaves the loop and calls ``sys.exit(0)``; ``exit1``: calls
+``sys.exit(1)``; ``sigkill``/``sigstop``: sends itself that signal; ``tree``: its gradient tree
+has one more leaf, with ``check=False``; ``slow``: sleeps 2 s per batch but keeps going), or
+rank 0 alone calls a collective after the loop (``rank0_only``). Lines the tests look for
+carry a ``# LINE:`` marker.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxddp
+
+mode = sys.argv[1]
+rank, size = jaxddp.rank(), jaxddp.world_size()
+last = size - 1
+data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4) / 256
+
+params = {"w": jnp.ones(4)}
+if mode == "tree" and rank == last:
+    params["b"] = jnp.ones((2000,))  # a leaf the other ranks do not have
+tx = optax.chain(jaxddp.allreduce_gradients(check=False), optax.sgd(0.01))
+opt_state = tx.init(params)
+
+
+@jax.jit
+def step(params, opt_state, x, mask):
+    def loss_fn(p):
+        out = x @ p["w"] + (p["b"].sum() if "b" in p else 0.0)
+        return jnp.sum(jnp.where(mask, out**2, 0.0)) / x.shape[0]
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def load_batch(indices, k):
+    if mode == "sleep" and rank == last and k == 3:
+        time.sleep(3600)  # LINE: sleep
+    if mode == "slow" and rank == last:
+        time.sleep(2)
+    return data[indices]
+
+
+sampler = jaxddp.DistributedSampler(len(data), shuffle=False)
+batches = 8 if mode == "slow" else 1000
+for epoch in range(batches):
+    sampler.set_epoch(epoch)
+    for k, (indices, mask) in enumerate(sampler.batches(4)):
+        if k == 3 and rank == last:
+            if mode == "break_exit":
+                break
+            if mode == "exit1":
+                sys.exit(1)  # LINE: exit1
+            if mode in ("sigkill", "sigstop"):
+                print(f"rank {rank} sends itself {mode}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
+        x = load_batch(indices, k)  # LINE: load
+        params, opt_state, loss = step(params, opt_state, x, mask)
+        loss = float(loss)  # LINE: loss
+    if mode == "break_exit" and rank == last:
+        print(f"rank {rank} left the loop", flush=True)
+        sys.exit(0)  # LINE: exit0
+    if mode in ("rank0_only", "slow") and epoch == 0:
+        break
+
+if mode == "rank0_only" and rank == 0:
+    total = jaxddp.allreduce({"loss": loss}, op="sum")  # LINE: rank0_only
+print(f"rank {rank} finished", flush=True)
