@@ -83,6 +83,9 @@ def _library(filename: str) -> str | None:
 
 
 def _show_path(filename: str) -> str:
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in filename:
+            return filename.split(marker, 1)[1]
     with contextlib.suppress(ValueError):
         relative = os.path.relpath(filename)
         if not relative.startswith(".."):
@@ -417,6 +420,10 @@ def render(
     """The stall report, as rank 0 prints it: the ranks behind first."""
     size = len(got)
     behind = [r for r in sorted(got) if _behind(got[r])]
+    if not behind:  # every rank waits: those that made the least progress wait elsewhere
+        counts = {r: e["count"] for r, e in got.items() if isinstance(e, dict)}
+        if len(set(counts.values())) > 1:
+            behind = [r for r in sorted(counts) if counts[r] == min(counts.values())]
     others = [r for r in sorted(got) if r not in behind]
     named = ", ".join(map(str, behind)) if behind else "none found (every rank waits in jaxddp)"
     lines = [
@@ -439,7 +446,7 @@ def render(
             seconds, how = entry["exited"]
             state = f"EXITED {seconds:.0f} s ago ({how}), the others may wait for it"
         elif entry["waiting"] is not None:
-            state = f"waiting for the others in {entry['waiting']}"
+            state = f"{'BEHIND, ' if r in behind else ''}waiting in {entry['waiting']}"
         else:
             state = "BEHIND: not in jaxddp, nor in a compiled step"
         lines.append(f"rank {r}: {state}; {progress}")
