@@ -56,7 +56,7 @@ _LIBRARIES = frozenset(
 _WAITING = frozenset(("jax", "jaxlib", "jaxddp", "mpi4py", "mpi4jax"))
 _SHOWN_FRAMES = 4
 
-_watchdog: _Watchdog | None = None
+_watchdog: _Watchdog | _Off | None = None
 
 
 # -- stacks -------------------------------------------------------------------------------
@@ -232,7 +232,7 @@ def start(MPI: ModuleType) -> None:
     warn, abort = _settings.stall_warn(), _settings.stall_abort()
     world = MPI.COMM_WORLD
     if warn == 0 or world.Get_size() == 1 or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
-        _watchdog = _Off()  # pyright: ignore[reportAttributeAccessIssue]
+        _watchdog = _Off()
         return
     _exit.install()
     _watchdog = _Watchdog(MPI, world.Dup(), warn, abort)
@@ -357,7 +357,7 @@ class _Watchdog:
     def snapshot(self, seq: int) -> dict[str, Any]:
         """What this rank tells rank 0 for a report."""
         now = time.monotonic()
-        frame = sys._current_frames().get(self.main)
+        frame = None if self.main is None else sys._current_frames().get(self.main)
         user, inner, waiting = folded_stack(frame)
         exited = None
         if self.exited_at is not None:

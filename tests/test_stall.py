@@ -140,9 +140,12 @@ def test_a_rank_that_raises_before_importing_jaxddp(np):
     result = run("-", np, script=SCRIPTS / "raise_before_import.py")
     last = str(np - 1)
     assert "FileNotFoundError" in result.rank_logs[last], result.report()
-    for r in range(np - 1):
-        log = result.rank_logs[str(r)]
-        assert "waited 20 s in MPI_Init" in log, result.report()
+    # Each waiting rank's watcher fires about 20 s after its own start; once the first kills
+    # its rank, mpiexec may end the others before theirs fire.
+    told = [result.rank_logs[str(r)] for r in range(np - 1)]
+    told = [log for log in told if "waited 20 s in MPI_Init" in log]
+    assert told, result.report()
+    for log in told:
         assert "a rank probably died before initializing MPI" in log
         assert "Look for its traceback" in log
 
