@@ -24,9 +24,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+MODELS = ("4 blocks, width 256", "24 blocks, width 64", "100 blocks, width 32")
 
 
-def worker(repeats: int) -> dict[str, float]:
+def worker(repeats: int, models: list[str]) -> dict[str, float]:
     import jax
     import numpy as np
     import optax
@@ -68,6 +69,8 @@ def worker(repeats: int) -> dict[str, float]:
     x = rng.normal(size=(64, D_IN)).astype(np.float32)
     y = rng.integers(0, D_OUT, 64)
     for name, (blocks, width) in MODELS.items():
+        if name not in models:
+            continue
         model = ResidualMLP(blocks, width, nnx.Rngs(0))
         optimizer = nnx.Optimizer(
             model, optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3)), wrt=nnx.Param
@@ -86,10 +89,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=41)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--models", default=";".join(MODELS), help="';'-separated names")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = worker(args.repeats)
+        result = worker(args.repeats, args.models.split(";"))
         import jaxddp
 
         if jaxddp.rank() == 0:
@@ -101,7 +105,7 @@ def main() -> None:
         for setting in ("0", "60") if r % 2 == 0 else ("60", "0"):
             env = dict(os.environ, JAXDDP_STALL_WARN=setting)
             command = [mpiexec, "-n", str(args.np), sys.executable, __file__, "--worker"]
-            command += ["--repeats", str(args.repeats)]
+            command += ["--repeats", str(args.repeats), "--models", args.models]
             done = subprocess.run(
                 command, env=env, capture_output=True, text=True, timeout=args.timeout, check=True
             )
