@@ -27,6 +27,7 @@ from ._launcher import LauncherReport as LauncherReport
 from ._launcher import LauncherWarning as LauncherWarning
 from ._launcher import check_launcher as check_launcher
 from ._metrics import masked_mean as masked_mean
+from ._progress import heartbeat as heartbeat
 from ._sampler import DistributedSampler as DistributedSampler
 from ._state import average_state as average_state
 
@@ -65,6 +66,7 @@ __all__ = [
     "average_state",
     "broadcast",
     "check_launcher",
+    "heartbeat",
     "local_rank",
     "masked_mean",
     "rank",

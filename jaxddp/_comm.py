@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax._src.core import Tracer
 
-from . import _host, _primitive
+from . import _host, _primitive, _progress
 from ._buckets import chunks, plan, split, wire_dtype
 from ._world import (
     init,
@@ -127,6 +127,7 @@ def _channels(comm: Any) -> tuple[int, int, Any, Any]:
     Python must never share a communicator, nor with the user's own calls.
     """
     world = init()
+    _progress.note("a jaxddp collective")
     if comm is None:
         return world.rank, world.size, world.jax_comm, world.py_comm
     host, compiled = private_comms(comm)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
-from . import _shards
+from . import _progress, _shards
 from ._shards import IndexArray, MaskArray
 from ._shards import boolean as _boolean
 from ._shards import integer as _integer
@@ -250,6 +250,7 @@ class DistributedSampler:
     def _iterate(self, indices: IndexArray, start: int) -> Iterator[int]:
         for entry in range(start, self._s):
             self._position = self._handed_out(entry + 1)
+            _progress.note("DistributedSampler iteration")
             yield int(indices[entry])
 
     def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
@@ -321,6 +322,7 @@ class DistributedSampler:
             end = begin + batch_size
             # the last batch ends the epoch, also when drop_last leaves a tail out
             self._position = self._n if k == count - 1 else self._handed_out(end)
+            _progress.note("DistributedSampler.batches")
             yield indices[begin:end].copy(), mask[begin:end].copy()
 
     # -- state ----------------------------------------------------------------------------

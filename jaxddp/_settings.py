@@ -22,6 +22,9 @@ __all__ = [
     "CHECK_TIMEOUT",
     "SETTINGS",
     "SKIP_LAUNCHER_CHECK",
+    "STALL_ABORT",
+    "STALL_WARN",
+    "STARTUP_TIMEOUT",
     "Setting",
     "SettingError",
     "SkipLevel",
@@ -29,6 +32,9 @@ __all__ = [
     "check_timeout",
     "check_trees",
     "skip_launcher_check",
+    "stall_abort",
+    "stall_warn",
+    "startup_timeout",
 ]
 
 _TRUE = ("1", "true", "yes", "on")
@@ -89,7 +95,41 @@ ABORT_ON_ERROR = Setting(
     "ends every rank with `MPI_Abort`, instead of leaving the others waiting forever.",
 )
 
-SETTINGS = (SKIP_LAUNCHER_CHECK, CHECK, CHECK_TIMEOUT, ABORT_ON_ERROR)
+STALL_WARN = Setting(
+    "JAXDDP_STALL_WARN",
+    "a number of seconds, `0` for off",
+    "60",
+    "When no rank has made progress (a batch drawn from a `DistributedSampler`, a jaxddp "
+    "collective called from Python, `jaxddp.heartbeat()`) for this long, rank 0 prints a "
+    "stall report: every rank's progress and where its main thread is, the ranks behind "
+    "first; at most once per this many seconds. `0` turns the stall inspector off. See "
+    "[When a job hangs](hangs.md).",
+)
+STALL_ABORT = Setting(
+    "JAXDDP_STALL_ABORT",
+    "a number of seconds, `0` or `off` for off",
+    "off",
+    "After this long without progress on any rank, print the stall report and end every "
+    "rank with `MPI_Abort` (exit status non-zero). Also the start-up limit below, when set.",
+)
+STARTUP_TIMEOUT = Setting(
+    "JAXDDP_STARTUP_TIMEOUT",
+    "a positive number of seconds (`inf` waits forever)",
+    "300",
+    "How long a rank waits in `MPI_Init` for the others (`JAXDDP_STALL_ABORT` instead, when "
+    "set) before it gives up with a message that some rank probably died before starting "
+    "MPI, and is killed.",
+)
+
+SETTINGS = (
+    SKIP_LAUNCHER_CHECK,
+    CHECK,
+    CHECK_TIMEOUT,
+    ABORT_ON_ERROR,
+    STALL_WARN,
+    STALL_ABORT,
+    STARTUP_TIMEOUT,
+)
 
 
 def _raw(setting: Setting, env: Mapping[str, str] | None) -> str:
@@ -170,3 +210,56 @@ def check_timeout(env: Mapping[str, str] | None = None) -> float:
     if math.isnan(seconds) or seconds <= 0:
         raise _bad(CHECK_TIMEOUT, value)
     return seconds
+
+
+def _seconds(setting: Setting, value: str, *, zero: bool) -> float:
+    """A number of seconds: positive (or also ``0`` when ``zero``), ``inf`` allowed."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise _bad(setting, value) from None
+    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not zero):
+        raise _bad(setting, value)
+    return seconds
+
+
+def stall_warn(env: Mapping[str, str] | None = None) -> float:
+    """``JAXDDP_STALL_WARN``: seconds without progress before a stall report; 0 is off.
+
+    Example:
+      >>> stall_warn({"JAXDDP_STALL_WARN": "5"}), stall_warn({}), stall_warn({"JAXDDP_STALL_WARN": "0"})
+      (5.0, 60.0, 0.0)
+    """
+    value = _raw(STALL_WARN, env)
+    return float(STALL_WARN.default) if value == "" else _seconds(STALL_WARN, value, zero=True)
+
+
+def stall_abort(env: Mapping[str, str] | None = None) -> float | None:
+    """``JAXDDP_STALL_ABORT``: seconds without progress before the job is aborted, or None.
+
+    Example:
+      >>> stall_abort({"JAXDDP_STALL_ABORT": "20"}), stall_abort({}), stall_abort({"JAXDDP_STALL_ABORT": "off"})
+      (20.0, None, None)
+    """
+    value = _raw(STALL_ABORT, env)
+    if value.lower() in ("", "off"):
+        return None
+    seconds = _seconds(STALL_ABORT, value, zero=True)
+    return None if seconds == 0 or math.isinf(seconds) else seconds
+
+
+def startup_timeout(env: Mapping[str, str] | None = None) -> float:
+    """Seconds a rank waits in ``MPI_Init``: ``JAXDDP_STALL_ABORT`` when set, else
+    ``JAXDDP_STARTUP_TIMEOUT``.
+
+    Example:
+      >>> startup_timeout({}), startup_timeout({"JAXDDP_STALL_ABORT": "20"})
+      (300.0, 20.0)
+    """
+    abort = stall_abort(env)
+    if abort is not None:
+        return abort
+    value = _raw(STARTUP_TIMEOUT, env)
+    if value == "":
+        return float(STARTUP_TIMEOUT.default)
+    return _seconds(STARTUP_TIMEOUT, value, zero=False)

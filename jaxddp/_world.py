@@ -9,13 +9,14 @@ world (ranks, node-local ranks, its private communicators) is computed once, on 
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
 from types import ModuleType
 from typing import Any
 
-from . import _launcher, _mpi, _settings
+from . import _exit, _launcher, _mpi, _settings, _watchdog
 
 __all__ = [
     "World",
@@ -69,8 +70,10 @@ def start() -> None:
         _launcher.guard(MPI)
         if _mpi.program_initializes():
             return
-        _mpi.initialize()
+        with _watchdog.startup_guard():
+            _mpi.initialize()
     _launcher.check_world_size(MPI.COMM_WORLD.Get_size())
+    _watchdog.start(MPI)
 
 
 class World:
@@ -103,7 +106,9 @@ def init() -> World:
             MPI = _mpi.load()
             if not MPI.Is_initialized():
                 _launcher.guard(MPI)
-                _mpi.initialize()
+                with _watchdog.startup_guard():
+                    _mpi.initialize()
+            _watchdog.start(MPI)
             world = World(MPI)
             _launcher.check_world_size(world.size)
             _world = world
@@ -196,3 +201,20 @@ def _install_abort_on_error(world: World) -> None:
         mpi().COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_on_error
+    _exit.install()
+    atexit.register(_abort_on_exit_status, world)
+
+
+def _abort_on_exit_status(world: World) -> None:
+    """At exit: a rank that called ``sys.exit`` with a failure ends the job, as an uncaught
+    exception does (MPI would otherwise finalize it and leave the others waiting)."""
+    status = _exit.nonzero()
+    if status is None:
+        return
+    sys.stderr.write(
+        f"jaxddp: rank {world.rank} of {world.size} called sys.exit({_exit.status!r}) at "
+        f"{_exit.where}; aborting every rank with MPI_Abort so that none waits forever "
+        "(set JAXDDP_ABORT_ON_ERROR=0 to turn this off).\n"
+    )
+    sys.stderr.flush()
+    mpi().COMM_WORLD.Abort(status)

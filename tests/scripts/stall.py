@@ -1,0 +1,93 @@
+"""A small data-parallel loop that stalls in the way MODE says, for the stall inspector tests.
+
+``python stall.py MODE``: the last rank misbehaves at batch 3 (``sleep``: sleeps forever in its
+data loading; ``break_exit``: leaves the loop and calls ``sys.exit(0)``; ``exit1``: calls
+``sys.exit(1)``; ``sigkill``/``sigstop``: sends itself that signal; ``tree``: its gradient tree
+has one more leaf, with ``check=False``; ``slow``: sleeps 2 s per batch but keeps going), or
+rank 0 alone calls a collective after the loop (``rank0_only``). With ``tree``, each step's
+loss is also reduced from Python, so the extra leaf's collective deadlocks against it. Lines the tests look for
+carry a ``# LINE:`` marker.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxddp
+
+mode = sys.argv[1]
+rank, size = jaxddp.rank(), jaxddp.world_size()
+last = size - 1
+data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4) / 256
+
+params = {"w": jnp.ones(4)}
+reduce_grads = jaxddp.allreduce_gradients(check=False)
+tx = optax.sgd(0.01)
+opt_state = tx.init(params)
+# With `tree`, the last rank's gradient tree has one more leaf (a counter that found its way
+# into it), which travels in a collective of its own that the other ranks never call.
+extra_leaf = mode == "tree" and rank == last
+
+
+@jax.jit
+def step(params, opt_state, x, mask):
+    def loss_fn(p):
+        return jnp.sum(jnp.where(mask, (x @ p["w"]) ** 2, 0.0)) / x.shape[0]
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    if extra_leaf:
+        grads = {**grads, "zcount": jnp.ones((), jnp.int32)}
+    grads, _ = reduce_grads.update(grads, reduce_grads.init(grads))
+    updates, opt_state = tx.update({"w": grads["w"]}, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def misbehaves():
+    print(f"rank {rank} misbehaves at {time.time():.3f}", flush=True)
+
+
+def load_batch(indices, k):
+    if mode == "sleep" and rank == last and k == 3:
+        misbehaves()
+        time.sleep(3600)  # LINE: sleep
+    if mode == "slow" and rank == last:
+        time.sleep(2)
+    return data[indices]
+
+
+sampler = jaxddp.DistributedSampler(len(data), shuffle=False)
+batches = 8 if mode == "slow" else 1000
+for epoch in range(batches):
+    sampler.set_epoch(epoch)
+    for k, (indices, mask) in enumerate(sampler.batches(4)):
+        if k == 3 and rank == last and mode in ("break_exit", "exit1", "sigkill", "sigstop"):
+            misbehaves()
+            if mode == "break_exit":
+                break
+            if mode == "exit1":
+                sys.exit(1)  # LINE: exit1
+            if mode in ("sigkill", "sigstop"):
+                os.kill(os.getpid(), signal.SIGKILL if mode == "sigkill" else signal.SIGSTOP)
+        if mode == "tree" and rank == last and k == 0:
+            misbehaves()
+        x = load_batch(indices, k)  # LINE: load
+        params, opt_state, loss = step(params, opt_state, x, mask)  # LINE: step
+        loss = float(loss)  # LINE: loss
+        if mode == "tree":  # metrics, reduced from Python each step
+            loss = float(jaxddp.allreduce({"loss": loss})["loss"])  # LINE: metrics
+    if mode == "break_exit" and rank == last:
+        print(f"rank {rank} left the loop", flush=True)
+        sys.exit(0)  # LINE: exit0
+    if mode in ("rank0_only", "slow") and epoch == 0:
+        break
+
+if mode == "rank0_only" and rank == 0:
+    misbehaves()
+    total = jaxddp.allreduce({"loss": loss}, op="sum")  # LINE: rank0_only
+print(f"rank {rank} finished", flush=True)

@@ -1,0 +1,159 @@
+"""The stall inspector on real launches: every way a job used to hang now ends it, with a report
+that names the ranks behind and the line each one is at.
+
+Each launch runs ``tests/scripts/stall.py MODE`` with ``JAXDDP_STALL_WARN=5
+JAXDDP_STALL_ABORT=20``; the harness's own watchdog (60 s) is the backstop. The misbehaving rank
+prints the time it misbehaves; the job must end non-zero within 30 s of it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import launch
+
+SCRIPTS = Path(__file__).with_name("scripts")
+STALL = SCRIPTS / "stall.py"
+ENV = {"JAXDDP_STALL_WARN": "5", "JAXDDP_STALL_ABORT": "20"}
+SIZES = [2, 4]
+
+
+def line_of(marker: str, script: Path = STALL) -> int:
+    """The line number of ``# LINE: marker`` in the script."""
+    for n, text in enumerate(script.read_text().splitlines(), start=1):
+        if text.rstrip().endswith(f"# LINE: {marker}"):
+            return n
+    raise AssertionError(marker)
+
+
+def run(mode: str, np: int, script: Path = STALL):
+    env = dict(os.environ, **ENV)
+    result = launch([str(script), mode], np, timeout=60, env=env)
+    ended = time.time()
+    assert not result.timed_out, result.report()
+    assert result.returncode != 0, result.report()
+    logs = "\n".join(result.rank_logs.values())
+    found = re.search(r"rank (\d+) misbehaves at ([\d.]+)", logs)
+    assert found, result.report()
+    assert ended - float(found.group(2)) < 30, result.report()
+    return result
+
+
+def report_of(result) -> str:
+    """Rank 0's last stall report."""
+    log = result.rank_logs["0"]
+    assert "==== jaxddp stall report" in log, result.report()
+    return log.split("==== jaxddp stall report")[-1]
+
+
+def rank_lines(report: str, r: int) -> str:
+    """The lines of the report about rank ``r``."""
+    block = report.split(f"\nrank {r}: ", 1)[1]
+    return block.split("\nrank ", 1)[0]
+
+
+def behind(report: str) -> str:
+    return report.split("behind: ", 1)[1].split(" ====", 1)[0]
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_a_rank_asleep_in_its_data_loading_is_named_with_its_line(np):
+    result = run("sleep", np)
+    report = report_of(result)
+    last = np - 1
+    assert behind(report) == str(last), report
+    assert f"rank {last}: BEHIND: not in jaxddp" in report
+    assert f"at tests/scripts/stall.py:{line_of('sleep')} in load_batch" in rank_lines(report, last)
+    for r in range(last):
+        assert "waiting in the compiled function `step`" in rank_lines(report, r), report
+    assert "aborting every rank with MPI_Abort" in report
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_a_collective_only_on_rank_0(np):
+    result = run("rank0_only", np)
+    report = report_of(result)
+    assert behind(report) == ", ".join(str(r) for r in range(1, np)), report
+    mine = rank_lines(report, 0)
+    assert f"at tests/scripts/stall.py:{line_of('rank0_only')} in <module>" in mine, report
+    assert "waiting in jaxddp" in mine
+    assert "EXITED" in rank_lines(report, 1)
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_a_rank_that_breaks_out_and_exits_0(np):
+    result = run("break_exit", np)
+    report = report_of(result)
+    last = np - 1
+    assert behind(report) == str(last), report
+    mine = rank_lines(report, last)
+    assert "EXITED" in mine, report
+    assert f"sys.exit(0) at tests/scripts/stall.py:{line_of('exit0')}" in mine, report
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_a_rank_killed_with_sigkill_ends_the_job(np):
+    result = run("sigkill", np)
+    # MPICH's mpiexec ends the job itself when a rank dies of a signal
+    assert "Killed (signal 9)" in result.output or result.returncode in (9, 137), result.report()
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_a_stopped_rank_is_named_as_not_answering(np):
+    result = run("sigstop", np)
+    report = report_of(result)
+    last = np - 1
+    assert behind(report) == str(last), report
+    assert f"rank {last}: DID NOT ANSWER" in report
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_gradient_trees_that_differ_without_the_check(np):
+    result = run("tree", np)
+    report = report_of(result)
+    last = np - 1
+    assert behind(report) == str(last), report
+    assert f"at tests/scripts/stall.py:{line_of('step')} in <module>" in rank_lines(report, last)
+    for r in range(last):
+        assert f"at tests/scripts/stall.py:{line_of('metrics')} in <module>" in rank_lines(
+            report, r
+        ), report
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_a_rank_that_exits_1_ends_the_job_at_once(np):
+    result = run("exit1", np)
+    log = result.rank_logs[str(np - 1)]
+    assert f"called sys.exit(1) at tests/scripts/stall.py:{line_of('exit1')}" in log
+    assert "aborting every rank with MPI_Abort" in log
+    assert result.elapsed < 30, result.report()
+    assert "==== jaxddp stall report" not in result.rank_logs["0"]
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_a_rank_that_raises_before_importing_jaxddp(np):
+    result = run("-", np, script=SCRIPTS / "raise_before_import.py")
+    last = str(np - 1)
+    assert "FileNotFoundError" in result.rank_logs[last], result.report()
+    # Each waiting rank's watcher fires about 20 s after its own start; once the first kills
+    # its rank, mpiexec may end the others before theirs fire.
+    told = [result.rank_logs[str(r)] for r in range(np - 1)]
+    told = [log for log in told if "waited 20 s in MPI_Init" in log]
+    assert told, result.report()
+    for log in told:
+        assert "a rank probably died before initializing MPI" in log
+        assert "Look for its traceback" in log
+
+
+def test_a_slow_but_progressing_rank_gets_no_report():
+    env = dict(os.environ, JAXDDP_STALL_WARN="5")
+    result = launch([str(STALL), "slow"], 2, timeout=90, env=env)
+    assert result.ok, result.report()
+    for log in result.rank_logs.values():
+        assert "stall report" not in log, result.report()
+        assert "finished" in log
