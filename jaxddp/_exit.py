@@ -16,11 +16,14 @@ import sys
 import threading
 from typing import Any
 
+from . import _progress
+
 __all__ = ["install", "status", "where"]
 
 status: Any = None  # the argument of the main thread's last sys.exit call
 where: str | None = None  # "file:line in function" of that call
 _original: Any = None
+_progress_then = -1  # jaxddp's progress count when sys.exit was called
 
 
 def install() -> None:
@@ -40,8 +43,9 @@ def install() -> None:
 
 
 def _record(code: Any, frame: Any) -> None:
-    global status, where
+    global status, where, _progress_then
     status = code
+    _progress_then = _progress.count
     name = frame.f_code.co_filename
     try:
         relative = os.path.relpath(name)
@@ -55,8 +59,11 @@ def nonzero() -> int | None:
     """The process's exit status when ``sys.exit`` was called with a failure, else None.
 
     As Python itself: ``None`` and ``0`` are success, another integer is that status, any
-    other object (a message) is status 1.
+    other object (a message) is status 1. A ``sys.exit`` whose SystemExit the program
+    caught and went on from (jaxddp saw progress since: a batch, a collective, a heartbeat)
+    is not the exit: None. (One caught and followed by no jaxddp call at all still counts;
+    ``JAXDDP_ABORT_ON_ERROR=0`` turns the abort off.)
     """
-    if status is None or status == 0:
+    if status is None or status == 0 or _progress.count != _progress_then:
         return None
     return int(status) if isinstance(status, int) else 1

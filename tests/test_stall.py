@@ -157,3 +157,12 @@ def test_a_slow_but_progressing_rank_gets_no_report():
     for log in result.rank_logs.values():
         assert "stall report" not in log, result.report()
         assert "finished" in log
+
+
+def test_a_caught_sys_exit_followed_by_more_work_is_not_an_exit():
+    result = launch([str(SCRIPTS / "caught_exit.py")], 2, timeout=60)
+    assert result.ok, result.report()
+    for log in result.rank_logs.values():
+        assert "caught SystemExit(2)" in log
+        assert "went on: 2.0" in log
+        assert "MPI_Abort" not in log
