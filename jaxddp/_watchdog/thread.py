@@ -1,0 +1,205 @@
+"""The watchdog thread: progress to rank 0 once a second, rank 0 decides when to report
+and when to abort; at exit, every rank waits for all to reach theirs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import sys
+import threading
+import time
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .. import _exit, _progress, _settings
+from .report import render
+from .stacks import SHOWN_FRAMES, folded_stack
+
+_TAG_STATUS, _TAG_REQUEST, _TAG_REPORT = 7301, 7302, 7303
+
+# -- the watchdog thread ------------------------------------------------------------------
+
+
+_watchdog: _Watchdog | _Off | None = None
+
+
+def start(MPI: ModuleType) -> None:
+    """Starts the stall inspector on every rank, once; call it on the main thread of every
+    rank (it duplicates ``COMM_WORLD``, a collective), after ``MPI_Init``."""
+    global _watchdog
+    if _watchdog is not None:
+        return
+    warn, abort = _settings.stall_warn(), _settings.stall_abort()
+    world = MPI.COMM_WORLD
+    if warn == 0 or world.Get_size() == 1 or MPI.Query_thread() != MPI.THREAD_MULTIPLE:
+        _watchdog = _Off()
+        return
+    _exit.install()
+    _watchdog = _Watchdog(MPI, world.Dup(), warn, abort)
+    _watchdog.thread.start()
+    atexit.register(_watchdog.at_exit)
+
+
+class _Off:
+    """The watchdog when it is off (``JAXDDP_STALL_WARN=0``, a world of one)."""
+
+
+class _Watchdog:
+    def __init__(self, MPI: ModuleType, comm: Any, warn: float, abort: float | None) -> None:
+        self.MPI, self.comm = MPI, comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.warn, self.abort = warn, abort
+        self.tick = min(1.0, warn / 5)
+        self.answer_within = max(2.0, min(5.0, warn / 2))
+        self.main = threading.main_thread().ident
+        self.exiting = threading.Event()
+        self.done = threading.Event()
+        self.exited_at: float | None = None
+        self.seen, self.changed = -1, time.monotonic()
+        self.sends: list[Any] = []
+        self.thread = threading.Thread(target=self._run, name="jaxddp-watchdog", daemon=True)
+        # rank 0's view of every rank
+        self.counts = np.zeros(self.size, np.int64)
+        self.exited = np.zeros(self.size, bool)
+        self.heard = np.full(self.size, time.monotonic())
+        self.status_in: list[tuple[Any, Any]] = []
+        self.last_total: tuple[int, int] = (-1, -1)
+        self.progress_at = time.monotonic()
+        self.reported_at: float | None = None
+        self.seq = 0
+
+    # the main thread, at exit
+    def at_exit(self) -> None:
+        """Keeps answering until every rank has reached its exit; then lets MPI finalize."""
+        self.exited_at = time.monotonic()
+        self.exiting.set()
+        while self.thread.is_alive() and not self.done.wait(0.1):
+            pass
+
+    # the thread
+    def _run(self) -> None:
+        barrier = None
+        if self.rank == 0:
+            self._post_status_receives()
+        broken = False
+        while True:
+            if self.exiting.is_set() and barrier is None:
+                barrier = self.comm.Ibarrier()
+            if barrier is not None and barrier.Test():
+                break
+            if not broken:
+                try:
+                    self._step()
+                except Exception as exc:  # noqa: BLE001 - the inspector must never end the job
+                    broken = True
+                    sys.stderr.write(f"jaxddp: the stall inspector stopped: {exc!r}\n")
+            time.sleep(self.tick)
+        for request, _ in self.status_in:
+            with contextlib.suppress(Exception):
+                request.Cancel()
+                request.Wait()
+        self.done.set()
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        count = _progress.count
+        if count != self.seen:
+            self.seen, self.changed = count, now
+        self.sends = [r for r in self.sends if not r.Test()]
+        if self.rank == 0:
+            self._lead(now)
+            return
+        if not self.sends:
+            status = np.array([count, self.exiting.is_set()], np.int64)
+            self.sends.append(self.comm.Isend(status, dest=0, tag=_TAG_STATUS))
+            self._keep = status
+        while self.comm.Iprobe(source=0, tag=_TAG_REQUEST):
+            seq = self.comm.recv(source=0, tag=_TAG_REQUEST)
+            self.sends.append(self.comm.isend(self.snapshot(seq), dest=0, tag=_TAG_REPORT))
+
+    def _post_status_receives(self) -> None:
+        for r in range(1, self.size):
+            buffer = np.zeros(2, np.int64)
+            self.status_in.append((self.comm.Irecv(buffer, source=r, tag=_TAG_STATUS), buffer))
+
+    def _lead(self, now: float) -> None:
+        for r in range(1, self.size):
+            request, buffer = self.status_in[r - 1]
+            while request.Test():
+                self.counts[r], self.exited[r], self.heard[r] = buffer[0], bool(buffer[1]), now
+                request = self.comm.Irecv(buffer, source=r, tag=_TAG_STATUS)
+                self.status_in[r - 1] = (request, buffer)
+        self.counts[0], self.exited[0], self.heard[0] = self.seen, self.exiting.is_set(), now
+        total = (int(self.counts.sum()), int(self.exited.sum()))
+        if total != self.last_total:
+            if self.reported_at is not None:
+                sys.stderr.write(
+                    f"jaxddp: progress resumed after {now - self.progress_at:.0f} s without.\n"
+                )
+                self.reported_at = None
+            self.last_total, self.progress_at = total, now
+            return
+        stalled = now - self.progress_at
+        if self.abort is not None and stalled >= self.abort:
+            self._print(render(self.gather(), stalled, self.warn, self.abort, aborting=True))
+            self.MPI.COMM_WORLD.Abort(1)
+        elif stalled >= self.warn and (
+            self.reported_at is None or now - self.reported_at >= self.warn
+        ):
+            self._print(render(self.gather(), stalled, self.warn, self.abort, aborting=False))
+            self.reported_at = time.monotonic()
+
+    @staticmethod
+    def _print(text: str) -> None:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+
+    def snapshot(self, seq: int) -> dict[str, Any]:
+        """What this rank tells rank 0 for a report."""
+        now = time.monotonic()
+        frame = None if self.main is None else sys._current_frames().get(self.main)
+        user, inner, waiting = folded_stack(frame)
+        exited = None
+        if self.exited_at is not None:
+            code = _exit.status
+            how = (
+                "reached the end of the program"
+                if _exit.where is None
+                else (f"called sys.exit({code!r}) at {_exit.where}")
+            )
+            exited = (now - self.exited_at, how)
+        return {
+            "seq": seq,
+            "rank": self.rank,
+            "count": self.seen,
+            "label": _progress.label,
+            "since": now - self.changed,
+            "user": user[:SHOWN_FRAMES],
+            "inner": inner,
+            "waiting": waiting,
+            "exited": exited,
+        }
+
+    def gather(self) -> dict[int, dict[str, Any] | float]:
+        """Every rank's snapshot; for a rank that did not answer in time, the seconds since
+        rank 0 last heard from it."""
+        self.seq += 1
+        seq = self.seq
+        for r in range(1, self.size):
+            self.sends.append(self.comm.isend(seq, dest=r, tag=_TAG_REQUEST))
+        got: dict[int, dict[str, Any] | float] = {0: self.snapshot(seq)}
+        status = self.MPI.Status()
+        deadline = time.monotonic() + self.answer_within
+        while len(got) < self.size and time.monotonic() < deadline:
+            while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_TAG_REPORT, status=status):
+                answer = self.comm.recv(source=status.Get_source(), tag=_TAG_REPORT)
+                if answer["seq"] == seq:
+                    got[answer["rank"]] = answer
+            time.sleep(0.02)
+        now = time.monotonic()
+        for r in range(self.size):
+            got.setdefault(r, now - float(self.heard[r]))
+        return got
