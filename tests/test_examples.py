@@ -37,6 +37,8 @@ def test_digits_trains_on_two_ranks(digits_on_two_ranks):
     assert "batch 32 per rank = 64 global" in out
     assert _accuracy(out) > 0.9
     assert "model identical on all 2 ranks: yes" in out
+    for log in digits_on_two_ranks.rank_logs.values():  # a healthy run: no stall report
+        assert "stall report" not in log
 
 
 def test_only_rank_0_reports(digits_on_two_ranks):
