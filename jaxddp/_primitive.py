@@ -156,18 +156,18 @@ ad.primitive_transposes[_chained_p] = functools.partial(_transpose_tangent, _cha
 # Transformations of a jaxpr that is already staged (a cached jit called under grad or
 # vmap) see the staged forms: they differentiate and batch like the allreduce they came from.
 def _staged_jvp(p: Primitive, primals: Any, tangents: Any, **params: Any) -> Any:
-    leading = 1 if p is _chained_p or params["chained"] else 0
     if params["kind"] != "allreduce":
-        msg = (
-            f"jaxddp's {params['kind']} has no derivative; only allreduce does. Wrap its "
-            "input in `jax.lax.stop_gradient` if only its value is needed."
-        )
-        raise NotImplementedError(msg)
+        _no_derivative(params["kind"])(primals, tangents)
+    # a chained form takes a token and returns one; an ordered form that continues the
+    # chain takes the chain's token and returns none (its token is JAX's effect token)
+    token_in = 1 if p is _chained_p or params["chained"] else 0
+    token_out = 1 if p is _chained_p else 0
     outs = p.bind(*primals, **params)
     tangent_outs = _reduce_tangents(
-        primals[leading:], outs[leading:], tangents[leading:], op=params["op"], comm=params["comm"]
-    )
-    lead = [ad.Zero(o.aval.to_tangent_aval()) for o in outs[:leading]]
+        primals[token_in:], outs[token_out:], tangents[token_in:], op=params["op"],
+        comm=params["comm"],
+    )  # fmt: skip
+    lead = [ad.Zero(o.aval.to_tangent_aval()) for o in outs[:token_out]]
     return outs, [*lead, *tangent_outs]
 
 
@@ -175,7 +175,11 @@ def _staged_batcher(p: Primitive, args: Any, dims: Any, **params: Any) -> Any:
     if params["kind"] != "allreduce":
         msg = f"jaxddp's {params['kind']} cannot be batched with vmap."
         raise NotImplementedError(msg)
-    return p.bind(*args, **params), list(dims)
+    token_in = 1 if p is _chained_p or params["chained"] else 0
+    out_dims = list(dims[token_in:])
+    if p is _chained_p:
+        out_dims = [None, *out_dims]  # the token is not batched
+    return p.bind(*args, **params), out_dims
 
 
 for _staged in (_chained_p, _ordered_p):

@@ -269,6 +269,33 @@ def test_a_staged_step_under_grad_jvp_and_vmap():
     np.testing.assert_array_equal(batched, np.stack([total, 2 * total]))
 
 
+def test_a_staged_step_with_a_collective_in_a_cond_after_one_at_the_top_under_grad_and_vmap():
+    # the collective in the cond is the ordered form that continues the chain: it takes the
+    # chain's token and returns none, and differentiating or batching it must know that
+    def g(x, y):
+        a = jaxddp.allreduce(x * x, op="sum")
+        b = jax.lax.cond(y > 0, lambda v: jaxddp.allreduce(3.0 * v, op="sum"), lambda v: 0.0 * v, x)
+        return jnp.sum(a) + jnp.sum(b)
+
+    x, y = jnp.arange(3.0) + rank, jnp.float32(1.0)
+    staged = jax.jit(g)
+    per_rank = np.stack([np.arange(3.0) + r for r in range(size)])
+    assert float(staged(x, y)) == float((per_rank**2).sum() + 3 * per_rank.sum())
+    expected = size * (2 * np.asarray(x) + 3)  # psum's rule: W times this rank's share
+    np.testing.assert_allclose(jax.grad(staged)(x, y), expected, rtol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(g))(x, y), expected, rtol=1e-6)
+    f = jax.jit(
+        lambda v, y: (
+            jaxddp.allreduce(v, op="sum")
+            + jax.lax.cond(y > 0, lambda u: jaxddp.allreduce(u, op="sum"), lambda u: u, v)
+        )
+    )
+    f(x, y)  # staged at the top level first, then batched
+    batched = jax.vmap(f, in_axes=(0, None))(jnp.stack([x, 2 * x]), y)
+    total = per_rank.sum(0)
+    np.testing.assert_allclose(batched, np.stack([2 * total, 4 * total]), rtol=1e-6)
+
+
 def test_forward_and_reverse_mode_through_collectives_inside_one_step():
     def f(x):
         return jaxddp.allreduce(x * x, op="sum")
