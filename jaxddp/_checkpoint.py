@@ -10,6 +10,7 @@ and broadcast, so the directory needs to be visible to it alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any, Self
 
@@ -36,6 +37,8 @@ def _is_empty(leaf: Any) -> bool:
 def _storable_leaf(leaf: Any) -> Any:
     if _is_key(leaf):
         leaf = jax.random.key_data(leaf)
+    if isinstance(leaf, np.generic | complex):  # Orbax stores arrays and Python numbers
+        leaf = np.asarray(leaf)
     if _is_empty(leaf):  # Orbax refuses empty arrays; the target knows the shape
         return np.zeros((), np.asarray(leaf).dtype)
     return leaf
@@ -115,18 +118,21 @@ class CheckpointManager:
 
     def _on_writer(self, action: Any, doing: str) -> Any:
         """Runs ``action()`` on the writer; returns its result there (None elsewhere) and
-        raises on every rank if it failed there."""
+        raises on every rank if it failed there: ValueError where the writer's error was one
+        (a state that does not match, bad input), RuntimeError for anything else (the file
+        system, Orbax)."""
         result, error = None, None
         if self._writer:
             try:
                 result = action()
             except Exception as e:  # noqa: BLE001 - reported on every rank below
-                error = f"{type(e).__name__}: {e}"
+                error = (isinstance(e, ValueError), f"{type(e).__name__}: {e}")
         error = self._comm.bcast(error, root=_ROOT)
         if error is not None:
+            invalid, text = error
             where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
-            msg = f"Could not {doing}{where}: {error}"
-            raise RuntimeError(msg)
+            msg = f"Could not {doing}{where}: {text}"
+            raise (ValueError if invalid else RuntimeError)(msg)
         return result
 
     def _manager_or_raise(self) -> Any:
@@ -193,10 +199,7 @@ class CheckpointManager:
             _check_matches(restored, storable_target, step)
             return restored
 
-        try:
-            restored = self._on_writer(read, f"restore checkpoint {step} from {self.directory!r}")
-        except RuntimeError as e:
-            raise ValueError(str(e)) from None
+        restored = self._on_writer(read, f"restore checkpoint {step} from {self.directory!r}")
         values = restored if self._writer else storable_target
         values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
         return jax.tree_util.tree_map(_like, values, target)
@@ -212,8 +215,17 @@ class CheckpointManager:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        # An exception is propagating on this rank: no collective now (the other ranks may
+        # be elsewhere, and the exception must reach the fail-fast abort). Release Orbax
+        # here alone.
+        if self._manager is not None:
+            manager, self._manager = self._manager, None
+            with contextlib.suppress(Exception):
+                manager.close()
 
     def __repr__(self) -> str:
         return f"jaxddp.CheckpointManager({self.directory!r})"
@@ -248,10 +260,10 @@ def _like(value: Any, target: Any) -> Any:
         return target
     if _is_key(target):
         return jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(target))
-    if isinstance(target, bool | int | float | complex):
+    if isinstance(target, bool | int | float | complex | np.generic):  # a number: its type
         return type(target)(np.asarray(value).item())
     if isinstance(target, jax.Array):
         return jnp.asarray(value)
-    if isinstance(target, np.ndarray | np.generic):
+    if isinstance(target, np.ndarray):
         return np.asarray(value, dtype=target.dtype)
     return value

@@ -128,10 +128,32 @@ def test_ranks_saving_different_structures_raise_on_every_rank(directory):
 def test_a_missing_step_is_an_error_on_every_rank(directory):
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, {"w": jnp.zeros(2)})
-        with pytest.raises(ValueError, match="restore checkpoint 7"):
+        with pytest.raises(RuntimeError, match="restore checkpoint 7"):
             ckpt.restore(7, {"w": jnp.zeros(2)})
     with (
         jaxddp.CheckpointManager(directory + "-empty") as ckpt,
         pytest.raises(FileNotFoundError, match="no checkpoint"),
     ):
         ckpt.restore(None, {"w": jnp.zeros(2)})
+
+
+def test_numpy_scalars_come_back_as_numpy_scalars(directory):
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, {"g": np.float32(2.5), "n": np.int64(7), "z": 1 + 2j})
+        out = ckpt.restore(1, {"g": np.float32(0), "n": np.int64(0), "z": 0j})
+    assert type(out["g"]) is np.float32
+    assert out["g"] == 2.5
+    assert type(out["n"]) is np.int64
+    assert out["n"] == 7
+    assert out["z"] == 1 + 2j
+
+
+def test_an_exception_leaving_the_with_block_on_one_rank_starts_no_collective(directory):
+    # Rank 1's exception unwinds through __exit__ while rank 0 is elsewhere (here, a barrier
+    # on COMM_WORLD): a collective in __exit__ would leave both waiting forever.
+    ckpt = jaxddp.CheckpointManager(directory)
+    if rank == 1:
+        with pytest.raises(KeyError), ckpt:
+            raise KeyError("boom")
+    WORLD.Barrier()
+    assert rank != 1 or ckpt._manager is None  # released on the rank that raised
