@@ -44,7 +44,11 @@ class SyncBatchNorm(nnx.BatchNorm):
       num_features: the size of the feature axis.
       comm: an mpi4py communicator whose ranks form the global batch; by default the world.
       **kwargs: ``nnx.BatchNorm``'s (``momentum``, ``epsilon``, ``axis``, ``rngs``, ...).
-        ``axis_name`` is refused: the ranks are not a named JAX axis.
+        ``axis_name`` is refused (the ranks are not a named JAX axis), and so is
+        ``use_fast_variance=False``.
+
+    Its call takes ``mask`` either with one entry per sample (the sampler's mask, shape
+    ``x.shape[:mask.ndim]``) or broadcastable to ``x`` as Flax's does.
 
     Example:
       >>> import jax.numpy as jnp, jaxddp
@@ -61,6 +65,13 @@ class SyncBatchNorm(nnx.BatchNorm):
             msg = (
                 "SyncBatchNorm averages over MPI ranks, not a named JAX axis: drop "
                 f"`axis_name={kwargs['axis_name']!r}` (use nnx.BatchNorm for pmap/shard_map)."
+            )
+            raise ValueError(msg)
+        if kwargs.get("use_fast_variance", True) is not True:
+            msg = (
+                "SyncBatchNorm computes the variance as E[x**2] - E[x]**2 over the global "
+                "batch, in one allreduce (Flax's use_fast_variance=True): drop "
+                "`use_fast_variance=False`."
             )
             raise ValueError(msg)
         super().__init__(num_features, **kwargs)
@@ -81,7 +92,7 @@ class SyncBatchNorm(nnx.BatchNorm):
         reduction_axes = tuple(i for i in range(x.ndim) if i not in feature_axes)
         dtype = jnp.promote_types(self.dtype or x.dtype, jnp.float32)
         wide = x.astype(dtype)
-        where = jnp.ones(x.shape, bool) if mask is None else jnp.broadcast_to(mask, x.shape)
+        where = jnp.ones(x.shape, bool) if mask is None else _per_entry(jnp.asarray(mask), x)
         zero = jnp.zeros((), dtype)
         sums = {
             "x": jnp.sum(jnp.where(where, wide, zero), reduction_axes),
@@ -113,6 +124,22 @@ class SyncBatchNorm(nnx.BatchNorm):
 
 
 _COMMS: dict[int, Any] = {}
+
+
+def _per_entry(mask: jax.Array, x: jax.Array) -> jax.Array:
+    """The mask over every entry of ``x``: a mask with one entry per sample (the sampler's,
+    of shape ``x.shape[:mask.ndim]``) is extended over the trailing axes; otherwise it must
+    broadcast to ``x``, as Flax's ``BatchNorm`` requires."""
+    if mask.ndim < x.ndim and mask.shape == x.shape[: mask.ndim]:
+        mask = mask.reshape(mask.shape + (1,) * (x.ndim - mask.ndim))
+    try:
+        return jnp.broadcast_to(mask, x.shape)
+    except ValueError:
+        msg = (
+            f"Expected `mask` of shape {x.shape[:1]} (one entry per sample) or one that "
+            f"broadcasts to the input's {x.shape}, got shape {mask.shape} instead."
+        )
+        raise ValueError(msg) from None
 
 
 def _comm_of(module: SyncBatchNorm) -> Any:

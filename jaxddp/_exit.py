@@ -45,7 +45,7 @@ def install() -> None:
 def _record(code: Any, frame: Any) -> None:
     global status, where, _progress_then
     status = code
-    _progress_then = _progress.count
+    _progress_then = _progress.main_count
     name = frame.f_code.co_filename
     try:
         relative = os.path.relpath(name)
@@ -60,10 +60,10 @@ def nonzero() -> int | None:
 
     As Python itself: ``None`` and ``0`` are success, another integer is that status, any
     other object (a message) is status 1. A ``sys.exit`` whose SystemExit the program
-    caught and went on from (jaxddp saw progress since: a batch, a collective, a heartbeat)
-    is not the exit: None. (One caught and followed by no jaxddp call at all still counts;
+    caught and went on from (jaxddp saw the main thread progress since: a batch, a
+    collective, a heartbeat) is not the exit: None. (One caught and followed by no jaxddp call at all still counts;
     ``JAXDDP_ABORT_ON_ERROR=0`` turns the abort off.)
     """
-    if status is None or status == 0 or _progress.count != _progress_then:
+    if status is None or status == 0 or _progress.main_count != _progress_then:
         return None
     return int(status) if isinstance(status, int) else 1

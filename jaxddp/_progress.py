@@ -9,17 +9,23 @@ to a race between two threads does not matter; any change is progress.
 
 from __future__ import annotations
 
+import threading
+
 __all__ = ["count", "heartbeat", "label", "note"]
 
 count = 0
 label = "start-up"
+main_count = 0  # the main thread's share of count (see jaxddp._exit)
+_MAIN = threading.main_thread().ident
 
 
 def note(what: str) -> None:
     """Counts one unit of progress, described by ``what``."""
-    global count, label
+    global count, label, main_count
     count += 1
     label = what
+    if threading.get_ident() == _MAIN:
+        main_count += 1
 
 
 def heartbeat(label: str | None = None) -> None:

@@ -283,3 +283,10 @@ def test_sync_batch_norm_on_w_ranks_trains_as_one_process_batch_norm():
         ours(x, mask=mask[:, None]), flax_norm(x, mask=mask[:, None]), rtol=1e-5, atol=1e-5
     )
     np.testing.assert_allclose(ours.var[...], flax_norm.var[...], rtol=1e-5)
+    # the sampler's mask, one entry per sample, means the same, even when the batch and
+    # the features have one size
+    square = jnp.asarray(X[:16, :1] * np.arange(16) + X[:16, 1:2])
+    rows = jnp.arange(16) < 11
+    per_sample = jaxddp.SyncBatchNorm(16, comm=SELF, rngs=nnx.Rngs(0))(square, mask=rows)
+    flax_rows = nnx.BatchNorm(16, rngs=nnx.Rngs(0))(square, mask=rows[:, None])
+    np.testing.assert_allclose(per_sample, flax_rows, rtol=1e-5, atol=1e-5)
