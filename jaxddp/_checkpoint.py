@@ -26,8 +26,7 @@ _ROOT = 0
 
 
 def _is_key(leaf: Any) -> bool:
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jax.dtypes.prng_key)
+    return _comm.is_key_dtype(getattr(leaf, "dtype", None))
 
 
 def _is_empty(leaf: Any) -> bool:

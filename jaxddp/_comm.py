@@ -134,12 +134,8 @@ def _channels(comm: Any) -> tuple[int, int, Any, Any]:
     return comm.Get_rank(), comm.Get_size(), compiled, host
 
 
-_LOW_FLOATS = frozenset(
-    np.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
-)
-
-
-def _is_key(dtype: Any) -> bool:
+def is_key_dtype(dtype: Any) -> bool:
+    """Whether ``dtype`` is a typed PRNG key's (NumPy dtypes and None never are)."""
     return not isinstance(dtype, np.dtype | None) and jnp.issubdtype(dtype, jax.dtypes.prng_key)
 
 
@@ -168,7 +164,7 @@ def check_reducible(tree: Any, leaves: list[Any], op: str, what: str) -> None:
         dtype = _leaf_dtype(leaf)
         if dtype is None:
             continue
-        if _is_key(dtype):
+        if is_key_dtype(dtype):
             msg = (
                 f"`{what}` cannot reduce the PRNG key at `{leaf_path(tree, i)}` "
                 f"({dtype}{list(np.shape(leaf))}): keys are not numbers to add or compare. "
@@ -214,7 +210,7 @@ def _is_concrete(x: Any) -> bool:
 def _mean(x: Any, size: int) -> Any:
     """The sum ``x`` divided by the world size: float32 for integer and boolean leaves."""
     if isinstance(x, np.ndarray):
-        if x.dtype.kind in "fc" or x.dtype in _LOW_FLOATS:
+        if x.dtype.kind in "fc":  # bfloat16 and float16 arrive widened to float32
             return x / size
         return np.asarray(x / size, dtype=np.float32)
     if jnp.issubdtype(x.dtype, jnp.inexact):
@@ -347,7 +343,7 @@ def _rooted(
         return tree
     values = [leaves[i] for i in picked]
     concrete = all(_is_concrete(x) for x in values)
-    keys = [_is_key(_leaf_dtype(x)) for x in values]
+    keys = [is_key_dtype(_leaf_dtype(x)) for x in values]
     values = [jax.random.key_data(x) if key else x for x, key in zip(values, keys, strict=True)]
     values = [np.asarray(x) if concrete else jnp.asarray(x) for x in values]
     dtypes = [x.dtype for x in values]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._buckets import ALONE_BYTES, MPI_DTYPES, chunks, plan, split, wire_dtype
+from ._buckets import ALONE_BYTES, chunks, plan, split, wire_dtype
 
 __all__ = ["allreduce", "broadcast", "reduce"]
 
@@ -64,15 +64,15 @@ def metrics(
     from mpi4py import MPI
 
     if not leaves:
-        return None
+        return []
     dtype = leaves[0].dtype
     if dtype not in _METRIC_DTYPES or any(x.dtype != dtype for x in leaves):
+        return None
+    if sum(x.size for x in leaves) * dtype.itemsize >= ALONE_BYTES:
         return None
     buffer = (
         np.concatenate([x.ravel() for x in leaves]) if len(leaves) > 1 else leaves[0].ravel().copy()
     )
-    if buffer.nbytes >= ALONE_BYTES:
-        return None
     if size > 1:
         comm.Allreduce(MPI.IN_PLACE, buffer, op)
     if mean:
@@ -84,16 +84,6 @@ def allreduce(leaves: list[np.ndarray], op: Any, comm: Any) -> list[np.ndarray]:
     """Each leaf reduced with the MPI op ``op`` over ``comm``, as NumPy arrays."""
     from mpi4py import MPI
 
-    dtype = leaves[0].dtype
-    if (
-        dtype in MPI_DTYPES
-        and all(x.dtype == dtype for x in leaves)
-        and sum(x.nbytes for x in leaves) < ALONE_BYTES
-    ):
-        # The common case (a few metrics of one dtype) kept short: one buffer, one call.
-        buffer = np.concatenate([x.ravel() for x in leaves])
-        comm.Allreduce(MPI.IN_PLACE, buffer, op)
-        return split(buffer, leaves)
     return _apply(leaves, lambda b: comm.Allreduce(MPI.IN_PLACE, b, op), arithmetic=True)
 
 
