@@ -259,10 +259,8 @@ def _like(value: Any, target: Any) -> Any:
         return target
     if _is_key(target):
         return jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(target))
-    if isinstance(target, bool | int | float | complex | np.generic):  # a number: its type
+    if isinstance(target, np.generic):  # a NumPy number stays one
         return type(target)(np.asarray(value).item())
-    if isinstance(target, jax.Array):
-        return jnp.asarray(value)
     if isinstance(target, np.ndarray):
         return np.asarray(value, dtype=target.dtype)
-    return value
+    return _comm.restore_kind(target, value)  # numbers, jax arrays

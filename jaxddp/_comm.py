@@ -301,7 +301,7 @@ def _is_number_or_array(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex)
 
 
-def _restore(old: Any, new: Any) -> Any:
+def restore_kind(old: Any, new: Any) -> Any:
     """A received value in the kind of its leaf: a number stays a number (of the result's
     kind: a mean of ints is a float, a count of bools an int), a jax array a jax array, a
     NumPy array a NumPy array."""
@@ -358,7 +358,7 @@ def _rooted(
             arithmetic=arithmetic,
         )
     for i, got, dtype, key in zip(picked, values, dtypes, keys, strict=True):
-        leaves[i] = _restore(
+        leaves[i] = restore_kind(
             leaves[i],
             _finish(got, dtype, key=key, leaf=leaves[i], op=op, is_root=rank == root, size=size),
         )

@@ -13,16 +13,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._comm import _is_concrete, allreduce
+from ._comm import allreduce, is_key_dtype, restore_kind
 
 __all__ = ["average_state"]
 
 
 def _floating(leaf: Any) -> bool:
     dtype = getattr(leaf, "dtype", None)
-    if dtype is None or jnp.issubdtype(dtype, jax.dtypes.prng_key):
+    if dtype is None or is_key_dtype(dtype):
         return False
-    return bool(jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating))
+    return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
 def average_state(tree: Any, *, comm: Any = None) -> Any:
@@ -56,8 +56,7 @@ def average_state(tree: Any, *, comm: Any = None) -> Any:
     if not picked:
         return tree
     values = [leaves[i] for i in picked]
-    concrete = all(_is_concrete(x) for x in values)
     averaged = allreduce(values, op="mean", comm=comm)
     for i, new in zip(picked, averaged, strict=True):
-        leaves[i] = jnp.asarray(new) if concrete and isinstance(leaves[i], jax.Array) else new
+        leaves[i] = restore_kind(leaves[i], new)  # jax arrays stay jax arrays
     return jax.tree_util.tree_unflatten(treedef, leaves)
