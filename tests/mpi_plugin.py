@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import os
 import shutil
+import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
@@ -225,3 +226,66 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
 def pytest_report_header(config: pytest.Config) -> str:
     sizes = os.environ.get(SIZES_VARIABLE, ",".join(map(str, DEFAULT_SIZES)))
     return f"jaxddp MPI harness: tests/mpi/* run as real ranks, world sizes {sizes}"
+
+
+# -- on the ranks: a failure on one rank must not become a silent hang ---------------------
+#
+# A test that fails on one rank leaves the others waiting in the next collective, and the
+# launch ends as "deadlock suspected". Two things make that report useful and keep pytest's
+# own rank-local, timing-dependent errors from causing it:
+# - every failure is written to the rank's log the moment it happens, so the dump of a
+#   hung launch shows what the rank that left was doing;
+# - an exception in a thread or in a finalizer (pytest turns it into a warning, and
+#   ``filterwarnings = error`` into an error of whichever test phase is running when it is
+#   noticed, on that rank alone) is recorded instead, and written to the log at the end of
+#   the session, where no collective waits for it. It fails the rank there when its
+#   traceback passes through this repository's code; one raised entirely inside a
+#   third-party package (a finalizer run by the garbage collector at a random moment) is
+#   only written to the log.
+
+_LATE_WARNINGS = ("PytestUnraisableExceptionWarning", "PytestUnhandledThreadExceptionWarning")
+_late: list[str] = []
+
+
+def _on_rank() -> bool:
+    return bool(os.environ.get(RANK_RUN_VARIABLE))
+
+
+def _through(text: str, root: Path) -> bool:
+    """Whether a formatted traceback has a frame in ``root`` outside installed packages."""
+    return any(
+        line.lstrip().startswith(f'File "{root}') and "site-packages" not in line
+        for line in text.splitlines()
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if _on_rank():
+        for name in _LATE_WARNINGS:
+            config.addinivalue_line("filterwarnings", f"always::pytest.{name}")
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.failed and _on_rank():
+        sys.stderr.write(
+            f"\njaxddp test harness: {report.nodeid} failed in {report.when} on this rank:\n"
+            f"{report.longreprtext}\n"
+        )
+        sys.stderr.flush()
+
+
+def pytest_warning_recorded(warning_message, when, nodeid, location) -> None:
+    if type(warning_message.message).__name__ in _LATE_WARNINGS:
+        _late.append(f"{nodeid or when}: {warning_message.message}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not (_late and _on_rank()):
+        return
+    sys.stderr.write(
+        "\njaxddp test harness: exceptions in threads or finalizers on this rank (reported "
+        "here, at the end, so that no other rank waits for this one):\n" + "\n".join(_late) + "\n"
+    )
+    sys.stderr.flush()
+    if any(_through(text, session.config.rootpath) for text in _late):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -45,11 +45,7 @@ def test_a_clean_launch_is_ok():
 
 def test_plugin_judges_every_test_by_every_rank(pytester):
     """A module with a passing test, one failing on rank 1 only, one skipped on rank 0 only."""
-    pytester.makeconftest(
-        "from tests.mpi_plugin import pytest_pycollect_makemodule, pytest_report_header\n"
-    )
-    mpi = pytester.path / "suite" / "mpi"
-    mpi.mkdir(parents=True)
+    mpi = _suite(pytester)
     (mpi / "test_judged.py").write_text(
         textwrap.dedent(
             """
@@ -75,9 +71,6 @@ def test_plugin_judges_every_test_by_every_rank(pytester):
             """
         )
     )
-    env_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    pytester._monkeypatch.setenv("PYTHONPATH", env_path)
-    pytester._monkeypatch.delenv("JAXDDP_TEST_NP", raising=False)
     result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
     result.stdout.fnmatch_lines(
         [
@@ -91,3 +84,127 @@ def test_plugin_judges_every_test_by_every_rank(pytester):
     result.stdout.fnmatch_lines(["*rank 1 disagrees*"])
     result.stdout.fnmatch_lines(["*skipped on some ranks only*"])
     assert result.ret != 0
+
+
+def _suite(pytester) -> Path:
+    """A suite that uses the project's plugin, on and off the ranks; returns its mpi/."""
+    pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
+    pytester.makeini(  # as the project's: every warning is an error
+        "[pytest]\nfilterwarnings =\n    error\n    ignore::DeprecationWarning:jax.*\n"
+    )
+    mpi = pytester.path / "suite" / "mpi"
+    mpi.mkdir(parents=True)
+    env_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    pytester._monkeypatch.setenv("PYTHONPATH", env_path)
+    pytester._monkeypatch.delenv("JAXDDP_TEST_NP", raising=False)
+    return mpi
+
+
+def test_an_exception_in_a_thread_on_one_rank_fails_the_launch_without_a_hang(pytester):
+    """pytest reports a thread's exception as an error of whichever phase notices it, on
+    that rank alone: here the setup of a test whose body holds a collective, which the
+    other rank would then wait in forever. The harness reports it at the end instead."""
+    mpi = _suite(pytester)
+    (mpi / "test_thread.py").write_text(
+        textwrap.dedent(
+            """
+            import threading
+            import pytest
+            from mpi4py import MPI
+            import jaxddp
+
+            MPI_SIZES = (2,)
+            rank = jaxddp.rank()
+
+            def fail():
+                raise ZeroDivisionError("a thread on rank 1 failed")
+
+            @pytest.fixture
+            def thread_failing_on_rank_1():
+                if rank == 1:
+                    t = threading.Thread(target=fail)
+                    t.start()
+                    t.join()
+
+            def test_a_collective_after_a_failed_thread(thread_failing_on_rank_1):
+                assert MPI.COMM_WORLD.allreduce(rank) == 1
+
+            def test_the_next_collective():
+                assert MPI.COMM_WORLD.allreduce(1) == 2
+            """
+        )
+    )
+    pytester._monkeypatch.setenv("JAXDDP_TEST_TIMEOUT", "30")
+    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
+    result.stdout.fnmatch_lines(
+        [
+            "*test_thread.py::[[]np=2[]] FAILED*",
+            "*test_a_collective_after_a_failed_thread[[]np=2[]] PASSED*",
+            "*test_the_next_collective[[]np=2[]] PASSED*",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*exceptions in threads or finalizers on this rank*"])
+    result.stdout.fnmatch_lines(["*a thread on rank 1 failed*"])
+    assert "deadlock suspected" not in result.stdout.str()
+
+
+def test_an_exception_raised_outside_our_code_in_a_thread_is_only_logged(pytester):
+    """As from a third-party finalizer the garbage collector runs at a random moment: the
+    thread's frames are all in the standard library."""
+    mpi = _suite(pytester)
+    (mpi / "test_elsewhere.py").write_text(
+        textwrap.dedent(
+            """
+            import threading
+            from mpi4py import MPI
+            import jaxddp
+
+            MPI_SIZES = (2,)
+
+            def test_a_thread_fails_in_the_standard_library_on_rank_1():
+                if jaxddp.rank() == 1:
+                    t = threading.Thread(target=int, args=("not a number",))
+                    t.start()
+                    t.join()
+                assert MPI.COMM_WORLD.allreduce(1) == 2
+            """
+        )
+    )
+    pytester._monkeypatch.setenv("JAXDDP_TEST_TIMEOUT", "30")
+    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
+    result.stdout.fnmatch_lines(
+        [
+            "*test_elsewhere.py::[[]np=2[]] PASSED*",
+            "*test_a_thread_fails_in_the_standard_library_on_rank_1[[]np=2[]] PASSED*",
+        ]
+    )
+    assert result.ret == 0
+
+
+def test_a_hang_after_a_failure_on_one_rank_shows_that_failure(pytester):
+    mpi = _suite(pytester)
+    (mpi / "test_left.py").write_text(
+        textwrap.dedent(
+            """
+            from mpi4py import MPI
+            import jaxddp
+
+            MPI_SIZES = (2,)
+
+            def test_rank_1_fails_before_a_collective():
+                assert jaxddp.rank() != 1, "rank 1 left before the barrier"
+                MPI.COMM_WORLD.Barrier()
+
+            def test_rank_1_is_elsewhere():
+                MPI.COMM_WORLD.bcast(None)
+            """
+        )
+    )
+    pytester._monkeypatch.setenv("JAXDDP_TEST_TIMEOUT", "20")
+    pytester._monkeypatch.setenv("JAXDDP_STALL_WARN", "0")
+    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
+    result.stdout.fnmatch_lines(["*deadlock suspected*"])
+    result.stdout.fnmatch_lines(
+        ["*test_rank_1_fails_before_a_collective failed in call on this rank*"]
+    )
+    result.stdout.fnmatch_lines(["*rank 1 left before the barrier*"])
