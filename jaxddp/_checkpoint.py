@@ -50,9 +50,17 @@ def _storable(tree: Any) -> Any:
 
 
 def _describe(leaf: Any) -> tuple[Any, ...]:
+    """(shape, dtype) of an array or of Orbax's metadata of one; a Python number's kind."""
     if isinstance(leaf, bool | int | float | complex | str):
         return (type(leaf).__name__,)
-    return (tuple(np.shape(leaf)), str(np.asarray(leaf).dtype) if not _is_key(leaf) else "key")
+    if _is_key(leaf):
+        return (tuple(np.shape(leaf)), "key")
+    dtype = getattr(leaf, "dtype", None)
+    return (_shape(leaf), str(np.asarray(leaf).dtype if dtype is None else np.dtype(dtype)))
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
 
 
 class CheckpointManager:
@@ -109,7 +117,12 @@ class CheckpointManager:
             import orbax.checkpoint as ocp
 
             options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
-            self._manager = ocp.CheckpointManager(self.directory, options=options)
+            self._manager = ocp.CheckpointManager(
+                self.directory,
+                options=options,
+                # known before the first save, so that a new process can read the metadata
+                item_handlers=ocp.StandardCheckpointHandler(),
+            )
 
         self._on_writer(open_manager, f"open the checkpoint directory {self.directory!r}")
 
@@ -192,9 +205,13 @@ class CheckpointManager:
         _consistency.check_same_tree(storable_target, what="restore target", comm=self._user_comm)
 
         def read() -> Any:
-            restored = self._manager_or_raise().restore(
-                step, args=ocp.args.StandardRestore(storable_target)
-            )
+            manager = self._manager_or_raise()
+            # Compared before reading: a read that fails halfway leaves tensorstore
+            # callbacks for an event loop already closed ("Event loop is closed" on stderr).
+            metadata = manager.item_metadata(step)
+            if getattr(metadata, "tree", None) is not None:
+                _check_matches(metadata, storable_target, step)
+            restored = manager.restore(step, args=ocp.args.StandardRestore(storable_target))
             _check_matches(restored, storable_target, step)
             return restored
 
@@ -237,18 +254,49 @@ def _check_step(step: Any) -> int:
     return int(step)
 
 
-def _check_matches(restored: Any, target: Any, step: int) -> None:
-    """Raises ValueError naming the first leaf whose shape or dtype differs from the target's
+def _key_name(key: Any) -> str:
+    for field in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey, ...
+        if hasattr(key, field):
+            return str(getattr(key, field))
+    return str(key)
+
+
+def _by_path(tree: Any) -> dict[tuple[str, ...], Any]:
+    """Leaves by their path as names: a dict, a dataclass and Orbax's metadata of either
+    name their entries alike."""
+    tree = getattr(tree, "tree", tree)  # Orbax's TreeMetadata holds the tree
+    return {
+        tuple(map(_key_name, path)): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _path_text(path: tuple[str, ...]) -> str:
+    return "".join(f"[{p!r}]" for p in path)
+
+
+def _check_matches(saved: Any, target: Any, step: int) -> None:
+    """Raises ValueError naming the first entry that the saved tree (restored leaves, or
+    Orbax's metadata of them) and the target do not share, or whose shape or dtype differs
     (Orbax compares the structures, not always the shapes)."""
-    got = jax.tree_util.tree_flatten_with_path(restored)[0]
-    want = jax.tree_util.tree_flatten_with_path(target)[0]
-    for (path, a), (_, b) in zip(got, want, strict=True):
+    got, want = _by_path(saved), _by_path(target)
+    for path in sorted(got.keys() ^ want.keys()):
+        has, lacks = ("checkpoint", "target") if path in got else ("target", "checkpoint")
+        msg = (
+            f"Checkpoint {step} does not match the target: the {has} has an entry "
+            f"`{_path_text(path)}` that the {lacks} lacks. It is a checkpoint of another "
+            "state (another model, another optimizer)."
+        )
+        raise ValueError(msg)
+    for path, b in want.items():
+        a = got[path]
         if _describe(a)[:2] != _describe(b)[:2] and not (
-            isinstance(b, bool | int | float) and np.ndim(a) == 0
+            isinstance(b, bool | int | float) and _shape(a) == ()
         ):
             msg = (
-                f"Checkpoint {step} holds {_describe(a)} at `{jax.tree_util.keystr(path)}`, "
-                f"but the target has {_describe(b)} there: it is a checkpoint of another state."
+                f"Checkpoint {step} holds {_describe(a)} at "
+                f"`{_path_text(path)}`, but the target has {_describe(b)} "
+                "there: it is a checkpoint of another state."
             )
             raise ValueError(msg)
 
