@@ -260,13 +260,15 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
     check_op(op)
     _, size, jax_comm, host_comm = _channels(comm)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
-    check_reducible(tree, leaves, op, "allreduce")
     mpi_op = _mpi_op(op)
-    if all(_is_concrete(x) for x in leaves):
-        leaves = [np.asarray(x) for x in leaves]
+    concrete = not any(isinstance(x, Tracer) for x in leaves)
+    if concrete:  # the common case first, kept short: a few float metrics
         metrics = _host.metrics(leaves, mpi_op, host_comm, size, mean=op == "mean")
-        if metrics is not None:  # the common case, a few floats, kept short
+        if metrics is not None:
             return jax.tree_util.tree_unflatten(treedef, metrics)
+    check_reducible(tree, leaves, op, "allreduce")
+    if concrete:
+        leaves = [np.asarray(x) for x in leaves]
         dtypes = [x.dtype for x in leaves]
         leaves = [_widen(x, op) for x in leaves]
         if size > 1:

@@ -8,6 +8,7 @@ compiled path sends) and reduced in place with mpi4py. Results are NumPy arrays.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -55,29 +56,52 @@ def _apply(
 _METRIC_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64"))
 
 
-def metrics(
-    leaves: list[np.ndarray], op: Any, comm: Any, size: int, *, mean: bool
-) -> list[np.ndarray] | None:
-    """``allreduce`` of a few float32 or float64 arrays of one dtype (what a training loop
-    logs every step): one buffer, one MPI call, the mean divided in place. None when the
-    leaves are anything else, for the general path to handle."""
+def metrics(leaves: list[Any], op: Any, comm: Any, size: int, *, mean: bool) -> list[Any] | None:
+    """``allreduce`` of a few concrete float32 or float64 arrays of one dtype (what a
+    training loop logs every step), kept short: one buffer, one MPI call, the mean divided
+    in place. None when the leaves are anything else (other dtypes, numbers, many bytes),
+    for the general path to handle; decided from their dtypes alone, the same on every
+    rank whose tree matches."""
+    dtype = getattr(leaves[0], "dtype", None) if leaves else None
+    if dtype not in _METRIC_DTYPES:
+        return None
+    arrays = []
+    for x in leaves:
+        if getattr(x, "dtype", None) != dtype:
+            return None
+        arrays.append(np.asarray(x))
+    if all(a.ndim == 0 for a in arrays):  # scalars: the common case
+        if len(arrays) * dtype.itemsize >= ALONE_BYTES:
+            return None
+        buffer = np.array(arrays, dtype)
+        pieces = None
+    else:
+        if sum(a.size for a in arrays) * dtype.itemsize >= ALONE_BYTES:
+            return None
+        buffer = np.concatenate([a.ravel() for a in arrays])  # a copy, even of one
+        pieces = arrays
+    if size > 1:
+        comm.Allreduce(in_place(), buffer, op)
+    if mean:
+        np.divide(buffer, size, out=buffer)
+    if pieces is None:
+        return [buffer[i, ...] for i in range(len(arrays))]
+    return split(buffer, pieces)
+
+
+@functools.cache
+def in_place() -> Any:
+    """``MPI.IN_PLACE``, looked up once (a per-call import costs a microsecond)."""
     from mpi4py import MPI
 
-    if not leaves:
-        return []
-    dtype = leaves[0].dtype
-    if dtype not in _METRIC_DTYPES or any(x.dtype != dtype for x in leaves):
-        return None
-    if sum(x.size for x in leaves) * dtype.itemsize >= ALONE_BYTES:
-        return None
-    buffer = (
-        np.concatenate([x.ravel() for x in leaves]) if len(leaves) > 1 else leaves[0].ravel().copy()
-    )
-    if size > 1:
-        comm.Allreduce(MPI.IN_PLACE, buffer, op)
-    if mean:
-        buffer /= size
-    return split(buffer, leaves)
+    return MPI.IN_PLACE
+
+
+@functools.cache
+def sum_op() -> Any:
+    from mpi4py import MPI
+
+    return MPI.SUM
 
 
 def allreduce(leaves: list[np.ndarray], op: Any, comm: Any) -> list[np.ndarray]:

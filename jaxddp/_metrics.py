@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _host
 from ._comm import _channels, _is_concrete, allreduce
 
 __all__ = ["masked_mean"]
@@ -90,14 +92,15 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
     wide = np.complex128 if kind == "c" else np.float64
     picked = values[mask]  # the real entries, stacked: padding (even nan) never summed
     tail = values.shape[mask.ndim :]
-    buffer = np.empty(int(np.prod(tail, dtype=np.int64)) + 1, wide)
-    picked.sum(axis=0, dtype=wide, out=buffer[:-1].reshape(tail))
-    buffer[-1] = len(picked)
+    if tail:
+        buffer = np.empty(math.prod(tail) + 1, wide)
+        np.add.reduce(picked, axis=0, dtype=wide, out=buffer[:-1].reshape(tail))
+        buffer[-1] = len(picked)
+    else:  # one value per sample, the common case: kept short
+        buffer = np.array([np.add.reduce(picked, dtype=wide), len(picked)], wide)
     _, size, _, host_comm = _channels(comm)
     if size > 1:
-        from mpi4py import MPI
-
-        host_comm.Allreduce(MPI.IN_PLACE, buffer, MPI.SUM)
+        host_comm.Allreduce(_host.in_place(), buffer, _host.sum_op())
     if buffer[-1] == 0:  # no rank has a real entry
         return np.full(tail, np.nan, dtype)
-    return (buffer[:-1] / buffer[-1]).reshape(tail).astype(dtype, copy=False)
+    return np.asarray((buffer[:-1] / buffer[-1]).reshape(tail), dtype)
