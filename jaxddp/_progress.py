@@ -31,8 +31,9 @@ def note(what: str) -> None:
 def heartbeat(label: str | None = None) -> None:
     """Tells jaxddp's stall inspector that this rank is making progress.
 
-    Batches drawn from :class:`DistributedSampler` and jaxddp collectives called from Python
-    count as progress already; a loop that uses neither (its own data loading, a long
+    Batches drawn from :class:`DistributedSampler`, jaxddp collectives called from Python
+    and a main thread seen working (a loop of jitted steps) count as progress already; a rank
+    that waits long in one place for a reason of its own (a slow file system, a long
     evaluation on one rank) calls this once in a while, so that the stall inspector
     (``JAXDDP_STALL_WARN``, ``JAXDDP_STALL_ABORT``) does not report it as stalled. It costs
     well under a microsecond and communicates nothing.

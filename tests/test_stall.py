@@ -159,6 +159,18 @@ def test_a_slow_but_progressing_rank_gets_no_report():
         assert "finished" in log
 
 
+def test_a_loop_of_jitted_steps_alone_gets_no_report():
+    """12 s of steps whose collectives are all compiled (no sampler, no jaxddp call from
+    Python): the main thread waits for each step's result at the same line, and dispatches
+    the next in between. The inspector must see that as progress."""
+    env = dict(os.environ, JAXDDP_STALL_WARN="3")
+    result = launch([str(STALL), "steps"], 2, timeout=90, env=env)
+    assert result.ok, result.report()
+    for log in result.rank_logs.values():
+        assert "stall report" not in log, result.report()
+        assert re.search(r"finished \d+ steps", log), result.report()
+
+
 def test_a_caught_sys_exit_followed_by_more_work_is_not_an_exit():
     result = launch([str(SCRIPTS / "caught_exit.py")], 2, timeout=60)
     assert result.ok, result.report()

@@ -59,6 +59,10 @@ class _Watchdog:
         self.done = threading.Event()
         self.exited_at: float | None = None
         self.seen, self.changed = -1, time.monotonic()
+        self.where: list[tuple[Any, int]] = []
+        self.moves = 0
+        self.status_file: str | None = f"/proc/self/task/{threading.main_thread().native_id}/status"
+        self.sleeps = self._main_sleeps()
         self.sends: list[Any] = []
         self.thread = threading.Thread(target=self._run, name="jaxddp-watchdog", daemon=True)
         # rank 0's view of every rank
@@ -103,9 +107,55 @@ class _Watchdog:
                 request.Wait()
         self.done.set()
 
+    def _moved(self) -> int:
+        """Progress seen from outside, for loops that call no jaxddp function from Python
+        (a jitted step's collectives run in compiled code). Counted once per tick in which
+        the main thread is somewhere else than a tick before, is compiling (XLA's compiler
+        is one long call, the same on every rank), or has slept and woken again since this
+        thread last talked (it waited for a step's result, and the result came). A thread
+        blocked in a collective does none of these: it sleeps once and for good (waiting for
+        a compiled step, or asleep in the user's code), or spins in MPI in one call, where
+        it sleeps only while this thread holds MPI's lock."""
+        if self.exiting.is_set():  # the main thread polls in at_exit: not progress
+            return self.moves
+        frame = sys._current_frames().get(self.main)
+        where, compiling = [], False
+        while frame is not None:
+            where.append((frame.f_code, frame.f_lasti))
+            compiling = compiling or frame.f_code.co_name.startswith("backend_compile")
+            frame = frame.f_back
+        woke = self._main_sleeps() > self.sleeps  # since this thread last talked
+        if compiling or woke or where != self.where:
+            self.where = where
+            self.moves += 1
+        return self.moves
+
+    def _main_sleeps(self) -> int:
+        """How often the main thread has given up the CPU to wait (Linux's count of its
+        voluntary context switches; 0 where the platform does not tell)."""
+        if self.status_file is None:
+            return 0
+        try:
+            with open(self.status_file) as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        return int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+        self.status_file = None  # the main thread has ended, or no /proc
+        return 0
+
     def _step(self) -> None:
+        try:
+            self._talk()
+        finally:
+            # The main thread also sleeps when it waits for MPI's lock while this thread
+            # talks (a collective spinning in MPI): those sleeps are not progress.
+            self.sleeps = self._main_sleeps()
+
+    def _talk(self) -> None:
         now = time.monotonic()
-        count = _progress.count
+        count = _progress.count + self._moved()
         if count != self.seen:
             self.seen, self.changed = count, now
         self.sends = [r for r in self.sends if not r.Test()]

@@ -4,6 +4,7 @@
 data loading; ``break_exit``: leaves the loop and calls ``sys.exit(0)``; ``exit1``: calls
 ``sys.exit(1)``; ``sigkill``/``sigstop``: sends itself that signal; ``tree``: its gradient tree
 has one more leaf, with ``check=False``; ``slow``: sleeps 2 s per batch but keeps going), or
+runs 12 s of jitted steps and nothing else from Python (``steps``, healthy), or
 rank 0 alone calls a collective after the loop (``rank0_only``). With ``tree``, each step's
 loss is also reduced from Python, so the extra leaf's collective deadlocks against it. Lines the tests look for
 carry a ``# LINE:`` marker.
@@ -60,6 +61,19 @@ def load_batch(indices, k):
         time.sleep(2)
     return data[indices]
 
+
+if mode == "steps":  # healthy: 12 s of jitted steps whose collectives are all compiled
+    burn = jax.jit(lambda y: jax.lax.fori_loop(0, 400, lambda i, y: jnp.tanh(y @ y), y))
+    x, mask = jnp.asarray(data[:16]), jnp.ones(16, bool)
+    y = jnp.eye(256) / 2
+    start, steps = time.time(), 0
+    while jaxddp.allreduce({"go": time.time() - start < 12.0}, op="min")["go"]:
+        for _ in range(20):  # no jaxddp call from Python for most of the 12 s
+            params, opt_state, loss = step(params, opt_state, x, mask)
+            burn(y).block_until_ready()
+            steps += 1
+    print(f"rank {rank} finished {steps} steps", flush=True)
+    sys.exit(0)
 
 sampler = jaxddp.DistributedSampler(len(data), shuffle=False)
 batches = 8 if mode == "slow" else 1000
