@@ -14,8 +14,13 @@ and one ``nnx.jit`` step (loss, ``nnx.value_and_grad``, ``optimizer.update(model
 once with ``optax.adam(1e-3)`` alone and once with
 ``optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))``. The two steps and the limit
 (mpi4py's ``Allreduce`` of one flat float32 buffer of the same gradient bytes) take turns, one
-sample each per round. "Sync adds" is median(step with sync) - median(step alone), also in
-units of the limit.
+sample each per round (a sample is several steps, about a quarter of a second, per step). "Sync
+adds" is median(step with sync) - median(step alone), also in units of the limit.
+
+A third step, ``optax.chain(sync_point(), optax.adam(1e-3))``, allreduces one float32 zero:
+the least any synchronous step pays, since every step then waits for the slowest rank's
+backward pass. What the gradients cost beyond it ("beyond the sync point") is the part that
+moving the gradient bytes adds.
 
 Which path jaxddp's collectives take inside ``jax.jit`` is decided once per process; run with
 ``JAXDDP_TEST_COLLECTIVE_PATH=ordered`` for the ordered-effect path (the "before" column).
@@ -28,11 +33,14 @@ import json
 import os
 import statistics
 import sys
+import timeit
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -87,37 +95,71 @@ def make_step():
     return train_step
 
 
+def sync_point() -> optax.GradientTransformation:
+    """The least a synchronous step can do: one allreduce of a float32 zero, added to the
+    updates (so that it is neither removed nor moved out of the step)."""
+
+    def update(updates, state, params=None):
+        zero = jaxddp.allreduce(jnp.zeros((), jnp.float32), op="sum")
+        return jax.tree.map(lambda u: u + zero, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 def measure(blocks: int, width: int, batch: tuple, warmup: int, repeats: int) -> dict:
     x, y = batch
     runs = {}
     for name, tx in (
         ("alone", optax.adam(1e-3)),
+        ("floor", optax.chain(sync_point(), optax.adam(1e-3))),
         ("with_sync", optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))),
     ):
         model = ResidualMLP(blocks, width, nnx.Rngs(0))  # the same weights on every rank
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
         step = make_step()
         runs[name] = lambda s=step, m=model, o=optimizer: jax.block_until_ready(s(m, o, x, y))
+    # Several steps per sample (about a quarter of a second): one step's noise here is a
+    # large part of a step, and a step's sync waits for the slowest rank of that step.
+    for run in runs.values():
+        run()
+    one = min(timeit.repeat(runs["alone"], number=1, repeat=3))
+    one = float(jaxddp.allreduce(np.float64(one), op="max"))  # every rank the same count
+    steps = max(1, min(10, round(0.25 / one)))
+    timed = {name: _steps(run, steps) for name, run in runs.items()}
     params = jax.tree.leaves(nnx.state(ResidualMLP(blocks, width, nnx.Rngs(0)), nnx.Param))
     grads = {f"p{i}": np.zeros(p.shape, np.float32) for i, p in enumerate(params)}
-    runs["limit"] = impl_limit(grads)
-    samples = interleaved_samples(runs, warmup, repeats)
+    timed["limit"] = impl_limit(grads)
+    samples = interleaved_samples(timed, warmup, repeats)
+    samples = {k: [t / (1 if k == "limit" else steps) for t in v] for k, v in samples.items()}
     medians = {name: statistics.median(s) for name, s in samples.items()}
     sync = medians["with_sync"] - medians["alone"]
+    floor = medians["floor"] - medians["alone"]
     # A check on the noise: the same difference taken within each round, then the median.
     paired = [a - b for a, b in zip(samples["with_sync"], samples["alone"], strict=True)]
     quartiles = statistics.quantiles(samples["alone"], n=4)
     return {
         "param_leaves": len(params),
         "grad_bytes": sum(int(p.size) * 4 for p in params),
+        "steps_per_sample": steps,
         "alone_s": medians["alone"],
         "alone_iqr_s": quartiles[2] - quartiles[0],
         "with_sync_s": medians["with_sync"],
+        "floor_s": medians["floor"],
         "limit_s": medians["limit"],
         "sync_s": sync,
         "sync_in_limits": sync / medians["limit"],
         "sync_paired_s": statistics.median(paired),
+        "floor_sync_s": floor,
+        "beyond_floor_in_limits": (sync - floor) / medians["limit"],
     }
+
+
+def _steps(run: Callable[[], object], steps: int) -> Callable[[], None]:
+    def many() -> None:
+        for _ in range(steps):
+            run()
+
+    return many
 
 
 def main() -> None:
@@ -144,7 +186,10 @@ def main() -> None:
                 f"with sync {row['with_sync_s'] * 1e3:.3f} ms, limit "
                 f"{row['limit_s'] * 1e3:.3f} ms -> sync adds {row['sync_s'] * 1e3:.3f} ms "
                 f"({row['sync_in_limits']:.2f}x the limit; paired {row['sync_paired_s'] * 1e3:.3f} "
-                f"ms, step alone IQR {row['alone_iqr_s'] * 1e3:.3f} ms)",
+                f"ms, step alone IQR {row['alone_iqr_s'] * 1e3:.3f} ms; a 4-byte sync point adds "
+                f"{row['floor_sync_s'] * 1e3:.3f} ms, the gradients "
+                f"{row['beyond_floor_in_limits']:.2f}x the limit beyond it; "
+                f"{row['steps_per_sample']} steps per sample)",
                 flush=True,
             )
     if rank == 0 and args.out:
