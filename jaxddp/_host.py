@@ -63,7 +63,7 @@ def metrics(leaves: list[Any], op: Any, comm: Any, size: int, *, mean: bool) -> 
     for the general path to handle; decided from their dtypes alone, the same on every
     rank whose tree matches."""
     dtype = getattr(leaves[0], "dtype", None) if leaves else None
-    if dtype not in _METRIC_DTYPES:
+    if dtype is None or dtype not in _METRIC_DTYPES:
         return None
     arrays = []
     for x in leaves:

@@ -118,7 +118,7 @@ class _Watchdog:
         it sleeps only while this thread holds MPI's lock."""
         if self.exiting.is_set():  # the main thread polls in at_exit: not progress
             return self.moves
-        frame = sys._current_frames().get(self.main)
+        frame = None if self.main is None else sys._current_frames().get(self.main)
         where, compiling = [], False
         while frame is not None:
             where.append((frame.f_code, frame.f_lasti))
