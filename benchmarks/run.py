@@ -440,14 +440,20 @@ def run_allreduce(out: Path, quick: bool, sections: set[str]) -> list[dict]:
     return rows
 
 
-def run_by_path(out: Path, script: str, name: str, args: list[str], quick: bool) -> list[dict]:
-    """One launch per rank count and collective path; the parsed JSON of each."""
+def run_by_path(
+    out: Path, script: str, name: str, args: list[str], ranks: tuple[int, ...]
+) -> list[dict]:
+    """One launch per rank count and collective path; the parsed JSON of each. Rank counts
+    of 2 and 4 not in ``ranks`` keep the JSON of an earlier run, where there is one."""
     parts = []
-    for np_ in (2,) if quick else (2, 4):
+    for np_ in (2, 4):
         for path in PATHS:
             part = out / f"{name}-{path}-np{np_}.json"
-            # 4 ranks of the NNX steps on 2 cores: three steps of three models, 41 rounds
-            mpi_run(np_, script, [*args, "--out", str(part)], 1800, path=path)
+            if np_ in ranks:
+                # 4 ranks of the NNX steps on 2 cores: three steps of three models, 41 rounds
+                mpi_run(np_, script, [*args, "--out", str(part)], 1800, path=path)
+            elif not part.exists():
+                continue
             parts.append(json.loads(part.read_text()))
     return parts
 
@@ -469,11 +475,18 @@ def main() -> None:
     parser.add_argument("--docs", type=Path, default=None, help="also copy md + png here")
     parser.add_argument("--quick", action="store_true", help="fewer repeats, 2 ranks only")
     parser.add_argument(
+        "--ranks",
+        default=None,
+        help="rank counts the nnx-step and eager sections launch, e.g. '2' (default 2,4; "
+        "2 with --quick); the others keep an earlier run's results",
+    )
+    parser.add_argument(
         "--only",
         default=",".join(SECTIONS),
         help=f"comma-separated, of {', '.join(SECTIONS)} ('': only write the pages again)",
     )
     args = parser.parse_args()
+    ranks = tuple(int(r) for r in (args.ranks or ("2" if args.quick else "2,4")).split(","))
     sections = set(filter(None, args.only.split(",")))
     if unknown := sections - set(SECTIONS):
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
@@ -490,10 +503,10 @@ def main() -> None:
             results["step"].append(json.loads(part.read_text()))
     if "nnx-step" in sections:
         repeats = ["--repeats", "11" if args.quick else "41"]
-        results["nnx_step"] = run_by_path(out, "bench_nnx_step.py", "nnx-step", repeats, args.quick)
+        results["nnx_step"] = run_by_path(out, "bench_nnx_step.py", "nnx-step", repeats, ranks)
     if "eager" in sections:
         repeats = ["--repeats", "101" if args.quick else "301"]
-        results["eager"] = run_by_path(out, "bench_eager.py", "eager", repeats, args.quick)
+        results["eager"] = run_by_path(out, "bench_eager.py", "eager", repeats, ranks)
     if "import" in sections:
         results["import"] = import_cost(3 if args.quick else 7)
     if "checkpoint" in sections:
