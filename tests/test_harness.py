@@ -45,33 +45,31 @@ def test_a_clean_launch_is_ok():
 
 def test_plugin_judges_every_test_by_every_rank(pytester):
     """A module with a passing test, one failing on rank 1 only, one skipped on rank 0 only."""
-    mpi = _suite(pytester)
-    (mpi / "test_judged.py").write_text(
-        textwrap.dedent(
-            """
-            import pytest
-            import jaxddp
+    result = _run_module(
+        pytester,
+        "test_judged.py",
+        """
+        import pytest
+        import jaxddp
 
-            MPI_SIZES = (2,)
-            rank = jaxddp.rank()
+        MPI_SIZES = (2,)
+        rank = jaxddp.rank()
 
-            def test_passes_everywhere():
-                assert jaxddp.world_size() == 2
+        def test_passes_everywhere():
+            assert jaxddp.world_size() == 2
 
-            def test_fails_on_rank_1():
-                assert rank != 1, "rank 1 disagrees"
+        def test_fails_on_rank_1():
+            assert rank != 1, "rank 1 disagrees"
 
-            def test_skipped_on_rank_0_only():
-                if rank == 0:
-                    pytest.skip("only here")
+        def test_skipped_on_rank_0_only():
+            if rank == 0:
+                pytest.skip("only here")
 
-            @pytest.mark.skip(reason="everywhere")
-            def test_skipped_everywhere():
-                pass
-            """
-        )
+        @pytest.mark.skip(reason="everywhere")
+        def test_skipped_everywhere():
+            pass
+        """,
     )
-    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
     result.stdout.fnmatch_lines(
         [
             "*test_judged.py::[[]np=2[]] PASSED*",
@@ -86,56 +84,58 @@ def test_plugin_judges_every_test_by_every_rank(pytester):
     assert result.ret != 0
 
 
-def _suite(pytester) -> Path:
-    """A suite that uses the project's plugin, on and off the ranks; returns its mpi/."""
+def _run_module(pytester, name: str, source: str, **env: str):
+    """Runs one module as tests/mpi/NAME through the project's plugin, with the variables
+    ``env`` set; returns pytester's result."""
     pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
     pytester.makeini(  # as the project's: every warning is an error
         "[pytest]\nfilterwarnings =\n    error\n    ignore::DeprecationWarning:jax.*\n"
     )
     mpi = pytester.path / "suite" / "mpi"
     mpi.mkdir(parents=True)
+    (mpi / name).write_text(textwrap.dedent(source))
     env_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     pytester._monkeypatch.setenv("PYTHONPATH", env_path)
     pytester._monkeypatch.delenv("JAXDDP_TEST_NP", raising=False)
-    return mpi
+    for variable, value in env.items():
+        pytester._monkeypatch.setenv(variable, value)
+    return pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
 
 
 def test_an_exception_in_a_thread_on_one_rank_fails_the_launch_without_a_hang(pytester):
     """pytest reports a thread's exception as an error of whichever phase notices it, on
     that rank alone: here the setup of a test whose body holds a collective, which the
     other rank would then wait in forever. The harness reports it at the end instead."""
-    mpi = _suite(pytester)
-    (mpi / "test_thread.py").write_text(
-        textwrap.dedent(
-            """
-            import threading
-            import pytest
-            from mpi4py import MPI
-            import jaxddp
+    result = _run_module(
+        pytester,
+        "test_thread.py",
+        """
+        import threading
+        import pytest
+        from mpi4py import MPI
+        import jaxddp
 
-            MPI_SIZES = (2,)
-            rank = jaxddp.rank()
+        MPI_SIZES = (2,)
+        rank = jaxddp.rank()
 
-            def fail():
-                raise ZeroDivisionError("a thread on rank 1 failed")
+        def fail():
+            raise ZeroDivisionError("a thread on rank 1 failed")
 
-            @pytest.fixture
-            def thread_failing_on_rank_1():
-                if rank == 1:
-                    t = threading.Thread(target=fail)
-                    t.start()
-                    t.join()
+        @pytest.fixture
+        def thread_failing_on_rank_1():
+            if rank == 1:
+                t = threading.Thread(target=fail)
+                t.start()
+                t.join()
 
-            def test_a_collective_after_a_failed_thread(thread_failing_on_rank_1):
-                assert MPI.COMM_WORLD.allreduce(rank) == 1
+        def test_a_collective_after_a_failed_thread(thread_failing_on_rank_1):
+            assert MPI.COMM_WORLD.allreduce(rank) == 1
 
-            def test_the_next_collective():
-                assert MPI.COMM_WORLD.allreduce(1) == 2
-            """
-        )
+        def test_the_next_collective():
+            assert MPI.COMM_WORLD.allreduce(1) == 2
+        """,
+        JAXDDP_TEST_TIMEOUT="30",
     )
-    pytester._monkeypatch.setenv("JAXDDP_TEST_TIMEOUT", "30")
-    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
     result.stdout.fnmatch_lines(
         [
             "*test_thread.py::[[]np=2[]] FAILED*",
@@ -151,27 +151,25 @@ def test_an_exception_in_a_thread_on_one_rank_fails_the_launch_without_a_hang(py
 def test_an_exception_raised_outside_our_code_in_a_thread_is_only_logged(pytester):
     """As from a third-party finalizer the garbage collector runs at a random moment: the
     thread's frames are all in the standard library."""
-    mpi = _suite(pytester)
-    (mpi / "test_elsewhere.py").write_text(
-        textwrap.dedent(
-            """
-            import threading
-            from mpi4py import MPI
-            import jaxddp
+    result = _run_module(
+        pytester,
+        "test_elsewhere.py",
+        """
+        import threading
+        from mpi4py import MPI
+        import jaxddp
 
-            MPI_SIZES = (2,)
+        MPI_SIZES = (2,)
 
-            def test_a_thread_fails_in_the_standard_library_on_rank_1():
-                if jaxddp.rank() == 1:
-                    t = threading.Thread(target=int, args=("not a number",))
-                    t.start()
-                    t.join()
-                assert MPI.COMM_WORLD.allreduce(1) == 2
-            """
-        )
+        def test_a_thread_fails_in_the_standard_library_on_rank_1():
+            if jaxddp.rank() == 1:
+                t = threading.Thread(target=int, args=("not a number",))
+                t.start()
+                t.join()
+            assert MPI.COMM_WORLD.allreduce(1) == 2
+        """,
+        JAXDDP_TEST_TIMEOUT="30",
     )
-    pytester._monkeypatch.setenv("JAXDDP_TEST_TIMEOUT", "30")
-    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
     result.stdout.fnmatch_lines(
         [
             "*test_elsewhere.py::[[]np=2[]] PASSED*",
@@ -182,27 +180,25 @@ def test_an_exception_raised_outside_our_code_in_a_thread_is_only_logged(pyteste
 
 
 def test_a_hang_after_a_failure_on_one_rank_shows_that_failure(pytester):
-    mpi = _suite(pytester)
-    (mpi / "test_left.py").write_text(
-        textwrap.dedent(
-            """
-            from mpi4py import MPI
-            import jaxddp
+    result = _run_module(
+        pytester,
+        "test_left.py",
+        """
+        from mpi4py import MPI
+        import jaxddp
 
-            MPI_SIZES = (2,)
+        MPI_SIZES = (2,)
 
-            def test_rank_1_fails_before_a_collective():
-                assert jaxddp.rank() != 1, "rank 1 left before the barrier"
-                MPI.COMM_WORLD.Barrier()
+        def test_rank_1_fails_before_a_collective():
+            assert jaxddp.rank() != 1, "rank 1 left before the barrier"
+            MPI.COMM_WORLD.Barrier()
 
-            def test_rank_1_is_elsewhere():
-                MPI.COMM_WORLD.bcast(None)
-            """
-        )
+        def test_rank_1_is_elsewhere():
+            MPI.COMM_WORLD.bcast(None)
+        """,
+        JAXDDP_TEST_TIMEOUT="20",
+        JAXDDP_STALL_WARN="0",
     )
-    pytester._monkeypatch.setenv("JAXDDP_TEST_TIMEOUT", "20")
-    pytester._monkeypatch.setenv("JAXDDP_STALL_WARN", "0")
-    result = pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
     result.stdout.fnmatch_lines(["*deadlock suspected*"])
     result.stdout.fnmatch_lines(
         ["*test_rank_1_fails_before_a_collective failed in call on this rank*"]
