@@ -97,13 +97,6 @@ def in_place() -> Any:
     return MPI.IN_PLACE
 
 
-@functools.cache
-def sum_op() -> Any:
-    from mpi4py import MPI
-
-    return MPI.SUM
-
-
 def allreduce(leaves: list[np.ndarray], op: Any, comm: Any) -> list[np.ndarray]:
     """Each leaf reduced with the MPI op ``op`` over ``comm``, as NumPy arrays."""
     from mpi4py import MPI

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _host
-from ._comm import _channels, _is_concrete, allreduce
+from ._comm import _channels, _is_concrete, _mpi_op, allreduce
 
 __all__ = ["masked_mean"]
 
@@ -100,7 +100,7 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
         buffer = np.array([np.add.reduce(picked, dtype=wide), len(picked)], wide)
     _, size, _, host_comm = _channels(comm)
     if size > 1:
-        host_comm.Allreduce(_host.in_place(), buffer, _host.sum_op())
+        host_comm.Allreduce(_host.in_place(), buffer, _mpi_op("sum"))
     if buffer[-1] == 0:  # no rank has a real entry
         return np.full(tail, np.nan, dtype)
     return np.asarray((buffer[:-1] / buffer[-1]).reshape(tail), dtype)
