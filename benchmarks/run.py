@@ -376,14 +376,16 @@ def eager_markdown(parts: list[dict]) -> list[str]:
             "metrics; 2 float64 for `masked_mean`: the masked sum in double precision and the "
             "count), interleaved in one launch. For contrast the same calls under `jax.jit`, on "
             "each collective path (each path its own launch; ratios against that launch's "
-            "mpi4py). Target: eager at most 3x mpi4py."
+            "mpi4py). Target: eager at most 3x mpi4py. *Least any API pays*: reading the "
+            "jax arrays into NumPy, packing one buffer and the same `Allreduce`, with no pytree "
+            "and no result arrays, timed in the same launch."
         ),
         "",
         (
-            "| ranks | call | mpi4py, same bytes | jaxddp, eager | jit, fast path "
-            "| jit, ordered path (before) |"
+            "| ranks | call | mpi4py, same bytes | least any API pays | jaxddp, eager "
+            "| jit, fast path | jit, ordered path (before) |"
         ),
-        "|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|",
     ]
     calls = (
         ("allreduce", "`allreduce` of 2 float32 scalars", "limit_f32x2", "2 float32"),
@@ -405,8 +407,9 @@ def eager_markdown(parts: list[dict]) -> list[str]:
             if limit == "limit_f64x2":
                 t, ref = m[f"{call}_eager"], m["limit_f32x2"]
                 eager += f"; {t / ref:.2f}x the 8-byte buffer"
+            least = cell(base, f"least_{call}") if f"least_{call}" in m else "—"
             lines.append(
-                f"| {ranks} | {label} | {_us(m[limit])} ({sent}) | {eager} "
+                f"| {ranks} | {label} | {_us(m[limit])} ({sent}) | {least} | {eager} "
                 f"| {cell(fast, f'{call}_jit')} | {cell(ordered, f'{call}_jit')} |"
             )
     lines.append("")
