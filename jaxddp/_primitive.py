@@ -16,6 +16,10 @@ forms, both lowered to the FFI targets mpi4jax registers (``mpi_allreduce_ffi``,
   token, and every later collective of that jit is ordered too, so the two forms make one
   chain.
 
+A jitted function first traced on its own (its collectives chained for its own top level)
+and then called inside another trace is replayed into it (:mod:`jaxddp._restage`), so that
+its collectives take the form they would have had if first traced there.
+
 Where that ordering has not been established (another platform, a jaxlib outside
 :data:`VERIFIED_JAXLIB`, several local devices), :func:`fast_path` is False and every
 collective is ordered: slower to dispatch, as mpi4jax.
@@ -38,6 +42,7 @@ from jax._src.lax.lax import create_token_p
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from . import _restage
 from ._lowering import Handle, emit, lowering_into_main, out_avals
 
 __all__ = [
@@ -45,7 +50,9 @@ __all__ = [
     "allreduce_many",
     "bcast_many",
     "fast_path",
+    "hand_over_chain",
     "reduce_many",
+    "restage",
 ]
 
 # (major, minor) of the jaxlib releases whose ordering the test suite has established.
@@ -93,14 +100,9 @@ def _lower_chained(
 ) -> list[Any]:
     if not lowering_into_main():
         # A jitted function traced on its own (so chained) is being compiled inside another
-        # computation: its chain would not be ordered with the caller's collectives.
-        msg = (
-            "A jitted function holding jaxddp collectives was first traced on its own and "
-            "is now called inside another jitted function, loop or branch, where the order "
-            "of its collectives against the caller's cannot be guaranteed. Call it only at "
-            "the top level, or create it with `jax.jit(f, inline=True)` so that it is traced "
-            "into its caller."
-        )
+        # computation without having been replayed there (jaxddp._restage): its chain
+        # would not be ordered with the caller's collectives.
+        msg = _restage.NESTED_MESSAGE
         raise NotImplementedError(msg)
     token, outs = emit(
         ctx, token, xs, (ctx.avals_in[1:], ctx.avals_out[1:]), kind=kind, params=params
@@ -235,6 +237,7 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
         token = chain.token
         if token is None:
             _wait_at_exit()
+            _restage.install()  # this jaxpr, if called inside another trace, is replayed
             token = create_token_p.bind_with_trace(root, (), (), {})
         token, *outs = _chained_p.bind_with_trace(
             trace, (token, *args), (abstract_token, *avals), dict(params, tangent=p.tangent)
@@ -251,6 +254,22 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
     if token is None:
         return _ordered_p.bind_with_trace(trace, tuple(args), tuple(avals), params)
     return _ordered_p.bind_with_trace(trace, (token, *args), (abstract_token, *avals), params)
+
+
+def hand_over_chain(trace: Any) -> Any:
+    """The token a replayed branch or loop that continues a chain takes (see
+    :mod:`jaxddp._restage`): the caller's last chained token, or a new one, with the
+    caller's chain switched to ordered collectives from here on, as :func:`_stage` does
+    for a collective staged inside control flow. None where ``trace`` is not a jit's own
+    level with its chain still open."""
+    root = _root(trace)
+    chain = _chains.get(root)
+    if chain is None:
+        chain = _chains.setdefault(root, _Chain())
+    if not (fast_path() and trace is root and not chain.switched):
+        return None
+    token, chain.token, chain.switched = chain.token, None, True
+    return create_token_p.bind_with_trace(root, (), (), {}) if token is None else token
 
 
 @functools.cache
@@ -304,6 +323,17 @@ reduce_p = _collective("reduce")
 # gradient with respect to one rank's inputs gathers every rank's cotangent: a loss built
 # with `masked_mean`, then `allreduce_gradients()` (a mean), gives the 1-process gradient.
 _tangent_p = _collective("allreduce", tangent=True)
+
+
+_COLLECTIVES = {(p.kind, p.tangent): p for p in (allreduce_p, bcast_p, reduce_p, _tangent_p)}
+
+
+def restage(trace: Any, args: Sequence[Any], avals: Any, params: dict[str, Any]) -> list[Any]:
+    """A chained collective of a cached jaxpr (its ``params``, without its token), staged
+    afresh into ``trace`` (see :mod:`jaxddp._restage`)."""
+    params = dict(params)
+    p = _COLLECTIVES[params.pop("kind"), params.pop("tangent")]
+    return _stage(p, trace, args, avals, params)
 
 
 def _sum_cotangents(cts: Sequence[Any], comm: Handle) -> list[Any]:

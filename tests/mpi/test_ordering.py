@@ -85,20 +85,76 @@ def test_no_effect_on_the_fast_path():
     assert (step.trace(jnp.ones(3)).jaxpr.effects == set()) == FAST
 
 
-def test_a_chained_function_called_inside_another_jit_is_a_clear_error():
+def _top_forms(fun, *args):
+    """The primitives at the jit's own level of ``fun``'s jaxpr, in order."""
+    return [eqn.primitive.name for eqn in fun.trace(*args).jaxpr.jaxpr.eqns]
+
+
+def test_a_jitted_function_called_on_its_own_then_inside_another_jit():
     step = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"))
-    x = jnp.arange(3.0)
-    np.testing.assert_array_equal(step(x), x * size)
+    x = jnp.arange(3.0) + rank
+    total = _per_rank(lambda r: np.arange(3.0) + r).sum(0)
+    np.testing.assert_array_equal(step(x), total)  # traced on its own first: chained
     outer = jax.jit(lambda x: step(x * 2) + jaxddp.allreduce(x, op="max"))
-    if FAST:
-        with pytest.raises(NotImplementedError, match="inline=True"):
-            outer(x)
-    else:
-        np.testing.assert_array_equal(outer(x), x * 2 * size + x)
+    if FAST:  # replayed into the caller: one chain, no nested call holding another
+        forms = _top_forms(outer, x)
+        assert "jit" not in forms
+        assert forms.count("jaxddp_chained") == 2
+        assert forms.count("create_token") == 1
+    for _ in range(50):
+        np.testing.assert_array_equal(outer(x), 2 * total + np.arange(3.0) + size - 1)
     inline = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"), inline=True)
-    np.testing.assert_array_equal(inline(x), x * size)
+    np.testing.assert_array_equal(inline(x), total)
     outer = jax.jit(lambda x: inline(x * 2) + jaxddp.allreduce(x, op="max"))
-    np.testing.assert_array_equal(outer(x), x * 2 * size + x)
+    np.testing.assert_array_equal(outer(x), 2 * total + np.arange(3.0) + size - 1)
+
+
+def test_a_jitted_function_called_on_its_own_then_inside_scan_and_under_grad():
+    step = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"))
+    x = jnp.arange(3.0) + rank
+    total = _per_rank(lambda r: np.arange(3.0) + r).sum(0)
+    np.testing.assert_array_equal(step(x), total)
+    scan = jax.jit(lambda xs: jax.lax.scan(lambda c, xi: (c + step(xi), None), x, xs)[0])
+    xs = jnp.stack([x, 2 * x, 3 * x])
+    if FAST:  # inside the loop body: the ordered form
+        assert set(_forms(scan, xs)) == {"jaxddp_ordered"}
+    np.testing.assert_array_equal(scan(xs), x + 6 * total)
+    grad = jax.jit(lambda x: jax.grad(lambda y: step(y * y).sum())(x) + step(x))
+    # d/dx_r of sum over ranks' x_q^2: 2 x_r, with the cotangents summed over the ranks
+    np.testing.assert_allclose(grad(x), 2 * x * size + total)
+
+
+def _switched(x):
+    """Chained collectives, then one inside a branch (which continues the chain), then more
+    at the top: the cached jaxpr's chain is switched to ordered collectives halfway."""
+    a = jaxddp.allreduce(x, op="sum")
+    b = jax.lax.cond(x[0] > -1, lambda y: jaxddp.allreduce(y, op="max"), lambda y: y, x)
+    return a + b + jaxddp.allreduce(x, op="min")
+
+
+def test_a_function_whose_chain_continues_into_a_branch_called_inside_another_jit():
+    step = jax.jit(_switched)
+    x = jnp.arange(3.0) + rank
+    own = _per_rank(lambda r: np.arange(3.0) + r)
+    expected = own.sum(0) + own.max(0) + own.min(0)
+    np.testing.assert_array_equal(step(x), expected)
+    outer = jax.jit(
+        lambda x: jaxddp.allreduce(x, op="sum") + step(x) + jaxddp.allreduce(x, op="max")
+    )
+    if FAST:  # the caller's chain runs into the branch; what follows it is ordered
+        forms = [f for f in _top_forms(outer, x) if f.startswith("jaxddp_") or f == "cond"]
+        assert forms == ["jaxddp_chained"] * 2 + ["cond"] + ["jaxddp_ordered"] * 2
+    for _ in range(50):
+        np.testing.assert_array_equal(outer(x), own.sum(0) + expected + own.max(0))
+    scan = jax.jit(lambda xs: jax.lax.scan(lambda c, xi: (c + step(xi), None), x, xs)[0])
+    if FAST:  # inside a loop body there is no chain to continue: a clear error, every rank
+        with pytest.raises(NotImplementedError, match="call the Python function it wraps"):
+            scan(jnp.stack([x, x]))
+    else:
+        np.testing.assert_array_equal(scan(jnp.stack([x, x])), x + 2 * expected)
+    # the advice: inside other jitted code, the Python function it wraps
+    scan = jax.jit(lambda xs: jax.lax.scan(lambda c, xi: (c + _switched(xi), None), x, xs)[0])
+    np.testing.assert_array_equal(scan(jnp.stack([x, x])), x + 2 * expected)
 
 
 def _model():
