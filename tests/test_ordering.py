@@ -6,7 +6,8 @@ carry no JAX effect (so the step keeps JAX's fast dispatch path) and are chained
 token that each call takes from the one before; inside control flow they carry mpi4jax's
 ordered effect, whose token continues that chain. This test reads the execution graph
 XLA:CPU actually built (its own debug log) and checks that the collectives of a step form
-one chain, through a ``lax.cond`` too. It depends on that log's format: if a jaxlib upgrade
+one chain, through a ``lax.cond`` too, and through a jitted function replayed into its
+caller. It depends on that log's format: if a jaxlib upgrade
 changes it, the parsing fails loudly here, and the ordering needs checking again before the
 new jaxlib joins ``jaxddp._primitive.VERIFIED_JAXLIB``.
 """
@@ -118,6 +119,17 @@ def test_the_collectives_of_a_step_form_one_chain_in_xlas_execution_graph():
     names = ordered_nodes(flat[0])
     assert all(n.startswith("jaxddp_chained.") for n in names), names
     assert unordered(flat[0]) == [], names
+    # a jitted function called on its own first, then inside another jit: one chain of 4
+    nested = [
+        g
+        for g in graphs
+        if sum(is_collective(n, k) for n, (_, k, _) in g.items()) == 4
+        and not any(k == "conditional" for _, k, _ in g.values())
+    ]
+    assert nested, [ordered_nodes(g) for g in graphs]
+    names = ordered_nodes(nested[0])
+    assert all(n.startswith("jaxddp_chained.") for n in names), names
+    assert unordered(nested[0]) == [], names
     # the step with the cond
     step = max(graphs, key=lambda g: sum(k == "conditional" for _, k, _ in g.values()))
     names = ordered_nodes(step)

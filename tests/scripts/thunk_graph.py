@@ -4,7 +4,8 @@ Run with TF_CPP_VMODULE=thunk_executor=6 so that XLA:CPU logs each executable's 
 execution graph: which thunk waits for which. The step holds large leaves that travel alone,
 float32 and bfloat16 buckets, an integer leaf, a reduction inside a ``lax.cond`` (the only
 conditional in the step), a broadcast and a max; ``flat`` holds the same without the
-``lax.cond``.
+``lax.cond``; ``outer`` calls ``helper``, a jitted function first called on its own, between
+two collectives of its own (jaxddp replays ``helper`` into it).
 """
 
 import jax
@@ -49,6 +50,20 @@ def flat(tree):
     return mean, root, top
 
 
+@jax.jit
+def helper(x, y):
+    return jaxddp.allreduce(x, op="sum"), jaxddp.allreduce(y, op="max")
+
+
+@jax.jit
+def outer(tree):
+    low = jaxddp.allreduce(tree["small0"] * 5, op="min")
+    total, top = helper(tree["big1"], tree["small1"])
+    return low, total, top, jaxddp.allreduce(tree["big2"], op="max")
+
+
+jax.block_until_ready(helper(tree["big1"], tree["small1"]))
+jax.block_until_ready(outer(tree))
 jax.block_until_ready(flat(tree))
 jax.block_until_ready(step(tree, 1))
 print("step done", flush=True)
