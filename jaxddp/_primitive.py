@@ -12,9 +12,11 @@ forms, both lowered to the FFI targets mpi4jax registers (``mpi_allreduce_ffi``,
   one chain in XLA:CPU's execution graph (``tests/test_ordering.py`` reads that graph).
   Across executables, the PjRt CPU client runs a device's executables in dispatch order.
 * ``jaxddp_ordered``, inside control flow and nested jits: mpi4jax's ordered effect, whose
-  token JAX threads through ``cond``, loops and calls. The first one takes the last chained
+  token JAX threads through ``cond``, loops and calls. Before the first one, a
+  ``jaxddp_bridge`` at the jit's own level takes the last chained token into that effect
   token, and every later collective of that jit is ordered too, so the two forms make one
-  chain.
+  chain. (The ``chained=True`` form of ``jaxddp_ordered``, which took the chain's token into
+  the nested trace itself, is no longer staged; its rules remain for jaxprs that hold it.)
 
 A jitted function first traced on its own (its collectives chained for its own top level)
 and then called inside another trace is replayed into it (:mod:`jaxddp._restage`), so that
@@ -39,6 +41,7 @@ from jax._src import dispatch
 from jax._src.core import abstract_token
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.lax import create_token_p
+from jax._src.lib.mlir.dialects import hlo
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -49,8 +52,8 @@ __all__ = [
     "VERIFIED_JAXLIB",
     "allreduce_many",
     "bcast_many",
+    "close_chain",
     "fast_path",
-    "hand_over_chain",
     "reduce_many",
     "restage",
 ]
@@ -141,6 +144,37 @@ def _lower_ordered(
     return outs
 
 
+# Where a jit's first collective below its own level is staged (inside control flow, a
+# nested jit, a transposition), the jit's chain ends: `jaxddp_bridge`, staged at the jit's
+# own level just before it, takes the chain's last token into mpi4jax's ordered effect,
+# whose token every later collective of the jit follows. The nested trace never holds the
+# chain's token, so no jaxpr that JAX caches closes over a tracer of another trace.
+_bridge_p = Primitive("jaxddp_bridge")
+_bridge_p.multiple_results = True
+
+
+def _bridge_abstract(token: Any) -> Any:
+    from mpi4jax._src.utils import ordered_effect
+
+    return [], {ordered_effect}
+
+
+_bridge_p.def_effectful_abstract_eval(_bridge_abstract)
+
+
+def _lower_bridge(ctx: Any, token: Any) -> list[Any]:
+    from mpi4jax._src.utils import ordered_effect
+
+    effect = ctx.tokens_in.get(ordered_effect)
+    ctx.set_tokens_out(mlir.TokenSet({ordered_effect: hlo.after_all([token, effect])}))
+    return []
+
+
+mlir.register_lowering(_bridge_p, _lower_bridge, platform="cpu")
+ad.primitive_jvps[_bridge_p] = lambda primals, tangents: (_bridge_p.bind(*primals), [])
+batching.primitive_batchers[_bridge_p] = lambda args, dims: (_bridge_p.bind(*args), [])
+
+
 # A tangent's collective transposes to the sum of the cotangents, as `jax.lax.psum` does.
 def _transpose_tangent(p: Primitive, cts: Any, *args: Any, tangent: bool, **params: Any) -> Any:
     if not tangent:
@@ -222,8 +256,9 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
     """Stages a collective into ``trace``: chained at the jit's own level, ordered inside
     control flow and nested jits (and everywhere when the fast path is off).
 
-    The first ordered collective after chained ones takes the last chained token, so the
-    chain continues into JAX's effect token; every later one in the jit is ordered too.
+    The first collective staged below the jit's own level ends the chain (:func:`close_chain`):
+    a bridge at the jit's own level continues it into JAX's effect token, and every later
+    collective in the jit is ordered too.
     A tangent (a differentiated collective) staged at the jit's own level, as forward mode
     does, joins the chain; one staged deeper (reverse mode's linearized trace, which
     transposes it away) is ordered and leaves the chain alone.
@@ -244,32 +279,26 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
         )
         chain.token = token
         return outs
-    if p.tangent:
-        return _ordered_p.bind_with_trace(
-            trace, tuple(args), tuple(avals), dict(params, chained=False, tangent=True)
-        )
-    chain.switched = True
-    token, chain.token = chain.token, None
-    params.update(chained=token is not None, tangent=False)
-    if token is None:
-        return _ordered_p.bind_with_trace(trace, tuple(args), tuple(avals), params)
-    return _ordered_p.bind_with_trace(trace, (token, *args), (abstract_token, *avals), params)
+    if not p.tangent:
+        close_chain(trace)
+    params.update(chained=False, tangent=p.tangent)
+    return _ordered_p.bind_with_trace(trace, tuple(args), tuple(avals), params)
 
 
-def hand_over_chain(trace: Any) -> Any:
-    """The token a replayed branch or loop that continues a chain takes (see
-    :mod:`jaxddp._restage`): the caller's last chained token, or a new one, with the
-    caller's chain switched to ordered collectives from here on, as :func:`_stage` does
-    for a collective staged inside control flow. None where ``trace`` is not a jit's own
-    level with its chain still open."""
+def close_chain(trace: Any) -> None:
+    """Ends the chain of the jit that ``trace`` belongs to: a bridge from its last token
+    into mpi4jax's ordered effect (:data:`_bridge_p`), staged at the jit's own level, and
+    every later collective of that jit ordered."""
     root = _root(trace)
     chain = _chains.get(root)
     if chain is None:
         chain = _chains.setdefault(root, _Chain())
-    if not (fast_path() and trace is root and not chain.switched):
-        return None
-    token, chain.token, chain.switched = chain.token, None, True
-    return create_token_p.bind_with_trace(root, (), (), {}) if token is None else token
+    if chain.switched:
+        return
+    chain.switched = True
+    if chain.token is not None:
+        _bridge_p.bind_with_trace(root, (chain.token,), (abstract_token,), {})
+        chain.token = None
 
 
 @functools.cache

@@ -1,22 +1,20 @@
-"""A jitted function whose collectives were chained for the top level, called again inside
-another trace (a jit, a loop body, a branch): its collectives are staged there afresh.
+"""A jitted function whose collectives were staged for its own top level, called again
+inside another trace (a jit, a loop body, a branch): its collectives are staged there afresh.
 
 JAX caches a jitted function's jaxpr and reuses it wherever the function is called. One
 first traced on its own holds ``jaxddp_chained`` collectives, chained for its own top level;
 inside another computation that chain would not be ordered with the caller's collectives.
-jaxddp therefore wraps JAX's staging rule for ``jit``: a cached jaxpr holding such a chain
-is not staged as a call but replayed, equation by equation, into the trace that calls it,
-each collective through :func:`jaxddp._primitive._stage` as if first traced there (chained
-at the caller's own level, ordered inside control flow), every other equation as it was,
-as ``jax.jit(f, inline=True)`` inlines a function into its caller.
+jaxddp therefore wraps JAX's staging rule for ``jit``: a cached jaxpr holding collectives at
+its own level is not staged as a call but replayed, equation by equation, into the trace
+that calls it, each collective through :func:`jaxddp._primitive._stage` as if first traced
+there (chained at the caller's own level, ordered inside control flow), every other
+equation as it was, as ``jax.jit(f, inline=True)`` inlines a function into its caller.
 
-A branch or loop of the cached jaxpr whose ordered collectives continue the chain (a
-collective inside control flow after chained ones) takes the caller's chain over in the
-same way (:func:`jaxddp._primitive.hand_over_chain`), where the caller is a jit's own level
-with its chain still open. Anywhere else its order against the caller's collectives cannot
-be guaranteed, and staging it raises :data:`NESTED_MESSAGE`. The wrapper is installed the
-first time a chain is staged (:func:`install`), so a program that never stages one runs
-JAX's rule untouched.
+Where the cached jaxpr's chain ended (a ``jaxddp_bridge``) or an equation carries mpi4jax's
+ordered effect (a branch or loop holding collectives, a call kept as a call), the caller's
+chain ends there too (:func:`jaxddp._primitive.close_chain`), so the caller's collectives
+and the callee's form one chain. The wrapper is installed the first time a chain is staged
+(:func:`install`), so a program that never stages one runs JAX's rule untouched.
 """
 
 from __future__ import annotations
@@ -25,21 +23,28 @@ import functools
 from typing import Any
 
 from jax._src import source_info_util
-from jax._src.core import Literal, Tracer, Var
+from jax._src.core import Literal, Var, abstract_token, set_current_trace
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.lax import create_token_p
 from jax._src.pjit import jit_p
 
-__all__ = ["install"]
+__all__ = ["NESTED_MESSAGE", "install"]
+
+
+@functools.cache
+def _ordered_effect() -> Any:
+    """mpi4jax's ordered effect (imported once MPI runs: only staging calls this)."""
+    from mpi4jax._src.utils import ordered_effect
+
+    return ordered_effect
+
 
 NESTED_MESSAGE = (
     "A jitted function holding jaxddp collectives was first traced on its own, and is now "
-    "called inside another computation (a loop, a branch, or a jit whose collectives are "
-    "already ordered) where its collectives, chained for the top level, cannot be ordered "
-    "with the caller's. This happens when its own collectives also sit inside a loop or "
-    "branch (e.g. `optax.MultiSteps`). Call it only at the top level, and inside other "
-    "jitted code call the Python function it wraps: traced there, its collectives are "
-    "ordered with the caller's."
+    "compiled inside another computation where its collectives, chained for the top level, "
+    "cannot be ordered with the caller's. Inside other jitted code, call the Python function "
+    "it wraps instead of the jitted one: traced there, its collectives are ordered with the "
+    "caller's. Please report this case to jaxddp."
 )
 
 
@@ -49,42 +54,45 @@ def install() -> None:
     jax_rule = pe.custom_staging_rules[jit_p]
 
     def staging_rule(trace: Any, source_info: Any, *args: Any, **params: Any) -> Any:
+        from ._primitive import close_chain
+
         closed = params["jaxpr"]
-        if not _replays(closed, trace):
-            return jax_rule(trace, source_info, *args, **params)
-        return _replay(trace, source_info, closed, args)
+        if _replays(closed.jaxpr):
+            return _replay(trace, source_info, closed, args)
+        if _ordered_effect() in closed.effects:  # its collectives follow the caller's
+            close_chain(trace)
+        return jax_rule(trace, source_info, *args, **params)
 
     pe.custom_staging_rules[jit_p] = staging_rule
 
 
-def _replays(closed: Any, trace: Any) -> bool:
-    """Whether ``closed``, staged into ``trace``, is replayed there: it holds a chain of a
-    function's own collectives, or it closes over a tracer. JAX never makes a call that
-    closes over one, except where a collective staged while transposing a step took the
-    chain's token from the jit being traced (the token continues that jit's chain); such a
-    call could not be compiled, and replayed into that jit it continues the chain there.
-    The linear part JAX splits off a differentiated step, holding tangents only, stays a
-    call: transposed as one, its collectives are ordered where they must be.
-    """
-    from ._primitive import _chained_p
+def _replays(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` holds collectives at its own level, besides tangents. The linear
+    part JAX splits off a differentiated step, holding tangents only, stays a call:
+    transposed as one, its collectives are ordered where they must be."""
+    from ._primitive import _bridge_p, _chained_p, _ordered_p
 
-    if any(e.primitive is _chained_p and not e.params["tangent"] for e in closed.jaxpr.eqns):
-        return True
-    return any(isinstance(c, Tracer) and c._trace is trace for c in closed.consts)
-
-
-def _reads_chain(eqn: Any, chain: set[Any]) -> list[Any]:
-    """The old chain's tokens that ``eqn`` (not a chained collective) reads."""
-    return [v for v in eqn.invars if isinstance(v, Var) and v in chain]
+    return any(
+        (e.primitive in (_chained_p, _ordered_p) and not e.params["tangent"])
+        or e.primitive is _bridge_p
+        for e in jaxpr.eqns
+    )
 
 
 def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
     """``closed``'s equations staged into ``trace``, its collectives staged afresh there."""
-    from ._primitive import _chained_p, hand_over_chain, restage
+    from ._primitive import _bridge_p, _chained_p, _ordered_p, close_chain, restage
 
     jaxpr = closed.jaxpr
-    links = [e for e in jaxpr.eqns if e.primitive is _chained_p]
-    chain = {e.invars[0] for e in links} | {e.outvars[0] for e in links}  # the old tokens
+    ours = (_chained_p, _ordered_p, _bridge_p)
+    # the old chain's tokens: its create_token's and each collective's, read only by ours
+    chain = {
+        v
+        for e in jaxpr.eqns
+        if e.primitive in ours
+        for v in [*e.invars, *e.outvars]
+        if isinstance(v, Var) and v.aval == abstract_token
+    }
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
 
@@ -95,25 +103,28 @@ def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
         if eqn.primitive is create_token_p and eqn.outvars[0] in chain:
             env[eqn.outvars[0]] = None  # the replayed collectives join the caller's chain
             continue
-        if eqn.primitive is not _chained_p and (taken := _reads_chain(eqn, chain)):
-            # a branch or loop whose ordered collectives continue the chain: here it
-            # continues the caller's, which switches to ordered collectives after it
-            token = hand_over_chain(trace)
-            if token is None:
-                raise NotImplementedError(NESTED_MESSAGE)
-            env.update(dict.fromkeys(taken, token))
-        ins = [read(v) for v in eqn.invars]
+        if eqn.primitive not in ours and any(isinstance(v, Var) and v in chain for v in eqn.invars):
+            raise NotImplementedError(NESTED_MESSAGE)  # the old chain's token, read elsewhere
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
         with (
             source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
             eqn.ctx.manager,
         ):
-            if eqn.primitive is _chained_p:  # the old token is dropped; the caller's is taken
-                avals = [v.aval for v in eqn.invars[1:]]
-                outs = [None, *restage(trace, ins[1:], avals, eqn.params)]
-            else:
-                avals = [v.aval for v in eqn.invars]
-                outs = eqn.primitive.bind_with_trace(trace, ins, avals, eqn.params)
+            if eqn.primitive is _bridge_p:  # the old chain ended here: the caller's ends too
+                close_chain(trace)
+                outs = []
+            elif eqn.primitive in ours:  # a collective, without the old chain's token
+                start = 1 if eqn.primitive is _chained_p or eqn.params.get("chained") else 0
+                ins = [read(v) for v in eqn.invars[start:]]
+                avals = [v.aval for v in eqn.invars[start:]]
+                outs = restage(trace, ins, avals, eqn.params)
+                outs = [None, *outs] if eqn.primitive is _chained_p else outs
+            else:  # as jax.core.eval_jaxpr binds an equation, in the calling trace
+                if _ordered_effect() in eqn.effects:  # a branch or loop holding collectives
+                    close_chain(trace)
+                ins = [read(v) for v in eqn.invars]
+                with set_current_trace(trace):
+                    outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
         env.update(zip(eqn.outvars, outs, strict=True))

@@ -100,6 +100,20 @@ def test_this_jaxlib_takes_the_fast_path():
     )
 
 
+def assert_one_chain_without_effect(graphs: list[dict], count: int) -> None:
+    """The graph with ``count`` MPI calls and no conditional chains them all, chained form."""
+    found = [
+        g
+        for g in graphs
+        if sum(is_collective(n, k) for n, (_, k, _) in g.items()) == count
+        and not any(k == "conditional" for _, k, _ in g.values())
+    ]
+    assert found, [ordered_nodes(g) for g in graphs]
+    names = ordered_nodes(found[0])
+    assert all(n.startswith("jaxddp_chained.") for n in names), names
+    assert unordered(found[0]) == [], names
+
+
 def test_the_collectives_of_a_step_form_one_chain_in_xlas_execution_graph():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="thunk_executor=6")
     result = launch([str(SCRIPTS / "thunk_graph.py")], 2, timeout=120, env=env)
@@ -108,28 +122,10 @@ def test_the_collectives_of_a_step_form_one_chain_in_xlas_execution_graph():
     assert "step done" in log
     graphs = execution_graphs(log)
     assert graphs, "no execution graph in the log: has XLA:CPU's debug log format changed?"
-    # the flat step: all seven calls chained, with no JAX effect, in one chain
-    flat = [
-        g
-        for g in graphs
-        if sum(is_collective(n, k) for n, (_, k, _) in g.items()) == 7
-        and not any(k == "conditional" for _, k, _ in g.values())
-    ]
-    assert flat, [ordered_nodes(g) for g in graphs]
-    names = ordered_nodes(flat[0])
-    assert all(n.startswith("jaxddp_chained.") for n in names), names
-    assert unordered(flat[0]) == [], names
-    # a jitted function called on its own first, then inside another jit: one chain of 4
-    nested = [
-        g
-        for g in graphs
-        if sum(is_collective(n, k) for n, (_, k, _) in g.items()) == 4
-        and not any(k == "conditional" for _, k, _ in g.values())
-    ]
-    assert nested, [ordered_nodes(g) for g in graphs]
-    names = ordered_nodes(nested[0])
-    assert all(n.startswith("jaxddp_chained.") for n in names), names
-    assert unordered(nested[0]) == [], names
+    # the flat step: all seven calls chained, with no JAX effect, in one chain; and a jitted
+    # function called on its own first, then inside another jit: one chain of four
+    for count in (7, 4):
+        assert_one_chain_without_effect(graphs, count)
     # the step with the cond
     step = max(graphs, key=lambda g: sum(k == "conditional" for _, k, _ in g.values()))
     names = ordered_nodes(step)
