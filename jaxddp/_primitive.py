@@ -15,8 +15,8 @@ forms, both lowered to the FFI targets mpi4jax registers (``mpi_allreduce_ffi``,
   token JAX threads through ``cond``, loops and calls. Before the first one, a
   ``jaxddp_bridge`` at the jit's own level takes the last chained token into that effect
   token, and every later collective of that jit is ordered too, so the two forms make one
-  chain. (The ``chained=True`` form of ``jaxddp_ordered``, which took the chain's token into
-  the nested trace itself, is no longer staged; its rules remain for jaxprs that hold it.)
+  chain. The nested trace never holds the chain's token itself, so no jaxpr JAX caches
+  closes over a tracer of another trace.
 
 A jitted function first traced on its own (its collectives chained for its own top level)
 and then called inside another trace is replayed into it (:mod:`jaxddp._restage`), so that
@@ -88,8 +88,8 @@ def fast_path() -> bool:
 # The two forms a collective takes once staged into a jaxpr. `chained`: no effect; it takes
 # the token of the collective staged before it in the same jit and returns its own, so the
 # custom calls form one chain in XLA:CPU's execution graph. `ordered`: mpi4jax's ordered
-# effect, whose token JAX threads through control flow and across executables; it also
-# waits for the last chained token, when there is one.
+# effect, whose token JAX threads through control flow and across executables; a bridge
+# (below) carries the last chained token into it.
 _chained_p = Primitive("jaxddp_chained")
 _chained_p.multiple_results = True
 _chained_p.def_abstract_eval(
@@ -120,26 +120,20 @@ _ordered_p = Primitive("jaxddp_ordered")
 _ordered_p.multiple_results = True
 
 
-def _ordered_abstract(*args: Any, kind: str, chained: bool, tangent: bool, **params: Any) -> Any:
+def _ordered_abstract(*xs: Any, kind: str, tangent: bool, **params: Any) -> Any:
     from mpi4jax._src.utils import ordered_effect
 
-    xs = args[1:] if chained else args
     return out_avals(kind, xs, params), {ordered_effect}
 
 
 _ordered_p.def_effectful_abstract_eval(_ordered_abstract)
 
 
-def _lower_ordered(
-    ctx: Any, *args: Any, kind: str, chained: bool, tangent: bool, **params: Any
-) -> list[Any]:
+def _lower_ordered(ctx: Any, *xs: Any, kind: str, tangent: bool, **params: Any) -> list[Any]:
     from mpi4jax._src.utils import ordered_effect
 
-    if chained:  # the first ordered collective after chained ones: it takes their token
-        token, xs, avals_in = args[0], args[1:], ctx.avals_in[1:]
-    else:
-        token, xs, avals_in = ctx.tokens_in.get(ordered_effect), args, ctx.avals_in
-    token, outs = emit(ctx, token, xs, (avals_in, ctx.avals_out), kind=kind, params=params)
+    token = ctx.tokens_in.get(ordered_effect)
+    token, outs = emit(ctx, token, xs, (ctx.avals_in, ctx.avals_out), kind=kind, params=params)
     ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
     return outs
 
@@ -180,9 +174,9 @@ def _transpose_tangent(p: Primitive, cts: Any, *args: Any, tangent: bool, **para
     if not tangent:
         msg = "Only the tangent of jaxddp's allreduce can be transposed."
         raise NotImplementedError(msg)
-    leading = 1 if p is _chained_p or params["chained"] else 0  # the token's is dropped
-    summed = _sum_cotangents(cts[leading:] if p is _chained_p else cts, params["comm"])
-    return [None, *summed] if leading else summed
+    if p is _ordered_p:
+        return _sum_cotangents(cts, params["comm"])
+    return [None, *_sum_cotangents(cts[1:], params["comm"])]  # the token's is dropped
 
 
 ad.primitive_transposes[_ordered_p] = functools.partial(_transpose_tangent, _ordered_p)
@@ -194,16 +188,14 @@ ad.primitive_transposes[_chained_p] = functools.partial(_transpose_tangent, _cha
 def _staged_jvp(p: Primitive, primals: Any, tangents: Any, **params: Any) -> Any:
     if params["kind"] != "allreduce":
         _no_derivative(params["kind"])(primals, tangents)
-    # a chained form takes a token and returns one; an ordered form that continues the
-    # chain takes the chain's token and returns none (its token is JAX's effect token)
-    token_in = 1 if p is _chained_p or params["chained"] else 0
-    token_out = 1 if p is _chained_p else 0
+    # a chained form takes a token and returns one; an ordered form has none (its token is
+    # JAX's effect token)
+    token = 1 if p is _chained_p else 0
     outs = p.bind(*primals, **params)
     tangent_outs = _reduce_tangents(
-        primals[token_in:], outs[token_out:], tangents[token_in:], op=params["op"],
-        comm=params["comm"],
-    )  # fmt: skip
-    lead = [ad.Zero(o.aval.to_tangent_aval()) for o in outs[:token_out]]
+        primals[token:], outs[token:], tangents[token:], op=params["op"], comm=params["comm"]
+    )
+    lead = [ad.Zero(o.aval.to_tangent_aval()) for o in outs[:token]]
     return outs, [*lead, *tangent_outs]
 
 
@@ -211,11 +203,9 @@ def _staged_batcher(p: Primitive, args: Any, dims: Any, **params: Any) -> Any:
     if params["kind"] != "allreduce":
         msg = f"jaxddp's {params['kind']} cannot be batched with vmap."
         raise NotImplementedError(msg)
-    token_in = 1 if p is _chained_p or params["chained"] else 0
-    out_dims = list(dims[token_in:])
-    if p is _chained_p:
-        out_dims = [None, *out_dims]  # the token is not batched
-    return p.bind(*args, **params), out_dims
+    if p is _ordered_p:
+        return p.bind(*args, **params), list(dims)
+    return p.bind(*args, **params), [None, *dims[1:]]  # the token is not batched
 
 
 for _staged in (_chained_p, _ordered_p):
@@ -281,7 +271,7 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
         return outs
     if not p.tangent:
         close_chain(trace)
-    params.update(chained=False, tangent=p.tangent)
+    params.update(tangent=p.tangent)
     return _ordered_p.bind_with_trace(trace, tuple(args), tuple(avals), params)
 
 
@@ -358,8 +348,8 @@ _COLLECTIVES = {(p.kind, p.tangent): p for p in (allreduce_p, bcast_p, reduce_p,
 
 
 def restage(trace: Any, args: Sequence[Any], avals: Any, params: dict[str, Any]) -> list[Any]:
-    """A chained collective of a cached jaxpr (its ``params``, without its token), staged
-    afresh into ``trace`` (see :mod:`jaxddp._restage`)."""
+    """A collective of a cached jaxpr (its ``params``; its inputs without a chain token),
+    staged afresh into ``trace`` (see :mod:`jaxddp._restage`)."""
     params = dict(params)
     p = _COLLECTIVES[params.pop("kind"), params.pop("tangent")]
     return _stage(p, trace, args, avals, params)

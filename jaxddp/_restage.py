@@ -114,7 +114,7 @@ def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
                 close_chain(trace)
                 outs = []
             elif eqn.primitive in ours:  # a collective, without the old chain's token
-                start = 1 if eqn.primitive is _chained_p or eqn.params.get("chained") else 0
+                start = 1 if eqn.primitive is _chained_p else 0
                 ins = [read(v) for v in eqn.invars[start:]]
                 avals = [v.aval for v in eqn.invars[start:]]
                 outs = restage(trace, ins, avals, eqn.params)
