@@ -353,8 +353,9 @@ def test_a_staged_step_under_grad_jvp_and_vmap():
 
 
 def test_a_staged_step_with_a_collective_in_a_cond_after_one_at_the_top_under_grad_and_vmap():
-    # the collective in the cond is the ordered form that continues the chain: it takes the
-    # chain's token and returns none, and differentiating or batching it must know that
+    # the collective in the cond ends the chain: a bridge at the top carries the chain's
+    # token into the ordered effect, and differentiating or batching the staged step (the
+    # chained form, the bridge, the ordered form) must keep all three working
     def g(x, y):
         a = jaxddp.allreduce(x * x, op="sum")
         b = jax.lax.cond(y > 0, lambda v: jaxddp.allreduce(3.0 * v, op="sum"), lambda v: 0.0 * v, x)
