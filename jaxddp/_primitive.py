@@ -258,11 +258,12 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
     chain = _chains.get(root)
     if chain is None:
         chain = _chains.setdefault(root, _Chain())
+    if fast_path():
+        _restage.install()  # a jaxpr staged now, if later called inside another jit, is replayed
     if fast_path() and trace is root and not chain.switched:
         token = chain.token
         if token is None:
             _wait_at_exit()
-            _restage.install()  # this jaxpr, if called inside another trace, is replayed
             token = create_token_p.bind_with_trace(root, (), (), {})
         token, *outs = _chained_p.bind_with_trace(
             trace, (token, *args), (abstract_token, *avals), dict(params, tangent=p.tangent)

@@ -13,8 +13,9 @@ equation as it was, as ``jax.jit(f, inline=True)`` inlines a function into its c
 Where the cached jaxpr's chain ended (a ``jaxddp_bridge``) or an equation carries mpi4jax's
 ordered effect (a branch or loop holding collectives, a call kept as a call), the caller's
 chain ends there too (:func:`jaxddp._primitive.close_chain`), so the caller's collectives
-and the callee's form one chain. The wrapper is installed the first time a chain is staged
-(:func:`install`), so a program that never stages one runs JAX's rule untouched.
+and the callee's form one chain. The wrapper is installed the first time a collective is staged on
+the fast path (:func:`install`), so a program that never stages one runs JAX's rule
+untouched.
 """
 
 from __future__ import annotations
@@ -40,11 +41,12 @@ def _ordered_effect() -> Any:
 
 
 NESTED_MESSAGE = (
-    "A jitted function holding jaxddp collectives was first traced on its own, and is now "
-    "compiled inside another computation where its collectives, chained for the top level, "
-    "cannot be ordered with the caller's. Inside other jitted code, call the Python function "
-    "it wraps instead of the jitted one: traced there, its collectives are ordered with the "
-    "caller's. Please report this case to jaxddp."
+    "jaxddp collectives staged for a jit's own level are being compiled inside a branch or "
+    "loop, where their order against the other collectives cannot be guaranteed. This "
+    "happens with a `lax.cond`, `lax.scan` or loop holding jaxddp collectives outside any "
+    "`jax.jit` (wrap the computation in `jax.jit`), or with a branch or loop body function "
+    "first traced outside any jit and reused inside one (inside jitted code, use a function "
+    "defined there)."
 )
 
 

@@ -165,6 +165,30 @@ def test_a_jitted_helper_first_called_inside_a_step_then_on_its_own():
     np.testing.assert_array_equal(again(x), 2 * own.sum(0) + own.min(0))
 
 
+def test_a_cached_step_whose_only_collective_is_in_a_branch_ends_the_callers_chain():
+    # traced on its own first, it holds no chained collective and no bridge, only a cond
+    # with the ordered effect: inside another jit the caller's chain must end before it
+    helper = jax.jit(
+        lambda x: jax.lax.cond(x[0] > -1, lambda y: jaxddp.allreduce(y, "sum"), lambda y: y, x)
+    )
+    x = jnp.arange(3.0) + rank
+    own = _per_rank(lambda r: np.arange(3.0) + r)
+    np.testing.assert_array_equal(helper(x), own.sum(0))
+    outer = jax.jit(
+        lambda x: jaxddp.allreduce(x, op="min") + helper(x) + jaxddp.allreduce(x, op="max")
+    )
+    if FAST:
+        forms = [f for f in _top_forms(outer, x) if f.startswith("jaxddp_") or f == "jit"]
+        assert forms == ["jaxddp_chained", "jaxddp_bridge", "jit", "jaxddp_ordered"], forms
+    for _ in range(20):
+        np.testing.assert_array_equal(outer(x), own.min(0) + own.sum(0) + own.max(0))
+    first = jax.jit(lambda x: helper(x) + jaxddp.allreduce(x, op="max"))  # no chain before
+    if FAST:
+        forms = [f for f in _top_forms(first, x) if f.startswith("jaxddp_") or f == "jit"]
+        assert forms == ["jit", "jaxddp_ordered"], forms
+    np.testing.assert_array_equal(first(x), own.sum(0) + own.max(0))
+
+
 def test_a_cached_step_under_jvp_and_vmap_inside_another_jit():
     step = jax.jit(lambda x: jaxddp.allreduce(x * x, op="sum"))
     x = jnp.arange(3.0) + rank
