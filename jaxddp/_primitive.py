@@ -102,9 +102,9 @@ def _lower_chained(
     ctx: Any, token: Any, *xs: Any, kind: str, tangent: bool, **params: Any
 ) -> list[Any]:
     if not lowering_into_main():
-        # A jitted function traced on its own (so chained) is being compiled inside another
-        # computation without having been replayed there (jaxddp._restage): its chain
-        # would not be ordered with the caller's collectives.
+        # Chained collectives compiled below a main function (a branch or loop staged
+        # outside any jit, or a body reused from such a trace): their chain would not be
+        # ordered with the other collectives.
         msg = _restage.NESTED_MESSAGE
         raise NotImplementedError(msg)
     token, outs = emit(
@@ -242,6 +242,15 @@ def _root(trace: Any) -> Any:
     return root
 
 
+def _chain_of(trace: Any) -> tuple[Any, _Chain]:
+    """The jit that ``trace`` belongs to (its outermost jaxpr trace), and its chain."""
+    root = _root(trace)
+    chain = _chains.get(root)
+    if chain is None:
+        chain = _chains.setdefault(root, _Chain())
+    return root, chain
+
+
 def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: Any) -> list[Any]:
     """Stages a collective into ``trace``: chained at the jit's own level, ordered inside
     control flow and nested jits (and everywhere when the fast path is off).
@@ -254,10 +263,7 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
     transposes it away) is ordered and leaves the chain alone.
     """
     params = dict(params, kind=p.kind)
-    root = _root(trace)
-    chain = _chains.get(root)
-    if chain is None:
-        chain = _chains.setdefault(root, _Chain())
+    root, chain = _chain_of(trace)
     if fast_path():
         _restage.install()  # a jaxpr staged now, if later called inside another jit, is replayed
     if fast_path() and trace is root and not chain.switched:
@@ -280,10 +286,7 @@ def close_chain(trace: Any) -> None:
     """Ends the chain of the jit that ``trace`` belongs to: a bridge from its last token
     into mpi4jax's ordered effect (:data:`_bridge_p`), staged at the jit's own level, and
     every later collective of that jit ordered."""
-    root = _root(trace)
-    chain = _chains.get(root)
-    if chain is None:
-        chain = _chains.setdefault(root, _Chain())
+    root, chain = _chain_of(trace)
     if chain.switched:
         return
     chain.switched = True
