@@ -3,6 +3,7 @@ their attributes, and the token that chains one call to the next."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,15 @@ import numpy as np
 from jax._src.core import ShapedArray, abstract_token
 from jax.interpreters import mlir
 
-__all__ = ["Handle", "emit", "lowering_into_main", "out_avals"]
+__all__ = ["Handle", "emit", "lowering_into_main", "ordered_effect", "out_avals"]
+
+
+@functools.cache
+def ordered_effect() -> Any:
+    """mpi4jax's ordered effect, imported on first use (importing mpi4jax starts MPI)."""
+    from mpi4jax._src.utils import ordered_effect
+
+    return ordered_effect
 
 
 class Handle:

@@ -46,7 +46,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from . import _restage
-from ._lowering import Handle, emit, lowering_into_main, out_avals
+from ._lowering import Handle, emit, lowering_into_main, ordered_effect, out_avals
 
 __all__ = [
     "VERIFIED_JAXLIB",
@@ -121,20 +121,16 @@ _ordered_p.multiple_results = True
 
 
 def _ordered_abstract(*xs: Any, kind: str, tangent: bool, **params: Any) -> Any:
-    from mpi4jax._src.utils import ordered_effect
-
-    return out_avals(kind, xs, params), {ordered_effect}
+    return out_avals(kind, xs, params), {ordered_effect()}
 
 
 _ordered_p.def_effectful_abstract_eval(_ordered_abstract)
 
 
 def _lower_ordered(ctx: Any, *xs: Any, kind: str, tangent: bool, **params: Any) -> list[Any]:
-    from mpi4jax._src.utils import ordered_effect
-
-    token = ctx.tokens_in.get(ordered_effect)
+    token = ctx.tokens_in.get(ordered_effect())
     token, outs = emit(ctx, token, xs, (ctx.avals_in, ctx.avals_out), kind=kind, params=params)
-    ctx.set_tokens_out(mlir.TokenSet({ordered_effect: token}))
+    ctx.set_tokens_out(mlir.TokenSet({ordered_effect(): token}))
     return outs
 
 
@@ -148,19 +144,15 @@ _bridge_p.multiple_results = True
 
 
 def _bridge_abstract(token: Any) -> Any:
-    from mpi4jax._src.utils import ordered_effect
-
-    return [], {ordered_effect}
+    return [], {ordered_effect()}
 
 
 _bridge_p.def_effectful_abstract_eval(_bridge_abstract)
 
 
 def _lower_bridge(ctx: Any, token: Any) -> list[Any]:
-    from mpi4jax._src.utils import ordered_effect
-
-    effect = ctx.tokens_in.get(ordered_effect)
-    ctx.set_tokens_out(mlir.TokenSet({ordered_effect: hlo.after_all([token, effect])}))
+    effect = ctx.tokens_in.get(ordered_effect())
+    ctx.set_tokens_out(mlir.TokenSet({ordered_effect(): hlo.after_all([token, effect])}))
     return []
 
 

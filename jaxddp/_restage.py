@@ -29,15 +29,9 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.lax import create_token_p
 from jax._src.pjit import jit_p
 
+from ._lowering import ordered_effect
+
 __all__ = ["NESTED_MESSAGE", "install"]
-
-
-@functools.cache
-def _ordered_effect() -> Any:
-    """mpi4jax's ordered effect (imported once MPI runs: only staging calls this)."""
-    from mpi4jax._src.utils import ordered_effect
-
-    return ordered_effect
 
 
 NESTED_MESSAGE = (
@@ -61,7 +55,7 @@ def install() -> None:
         closed = params["jaxpr"]
         if _replays(closed.jaxpr):
             return _replay(trace, source_info, closed, args)
-        if _ordered_effect() in closed.effects:  # its collectives follow the caller's
+        if ordered_effect() in closed.effects:  # its collectives follow the caller's
             close_chain(trace)
         return jax_rule(trace, source_info, *args, **params)
 
@@ -122,7 +116,7 @@ def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
                 outs = restage(trace, ins, avals, eqn.params)
                 outs = [None, *outs] if eqn.primitive is _chained_p else outs
             else:  # as jax.core.eval_jaxpr binds an equation, in the calling trace
-                if _ordered_effect() in eqn.effects:  # a branch or loop holding collectives
+                if ordered_effect() in eqn.effects:  # a branch or loop holding collectives
                     close_chain(trace)
                 ins = [read(v) for v in eqn.invars]
                 with set_current_trace(trace):
