@@ -32,6 +32,7 @@ from ._sampler import DistributedSampler as DistributedSampler
 from ._state import average_state as average_state
 
 if TYPE_CHECKING:  # imported on first use (it needs flax): see __getattr__
+    from ._batchnorm import LinenSyncBatchNorm as LinenSyncBatchNorm
     from ._batchnorm import SyncBatchNorm as SyncBatchNorm
 
 try:
@@ -43,11 +44,11 @@ _world.start()
 
 
 def __getattr__(name: str) -> object:
-    # SyncBatchNorm needs flax: imported on first use, so that `import jaxddp` does not.
-    if name == "SyncBatchNorm":
-        from ._batchnorm import SyncBatchNorm
+    # The batch norms need flax: imported on first use, so that `import jaxddp` does not.
+    if name in ("SyncBatchNorm", "LinenSyncBatchNorm"):
+        from . import _batchnorm
 
-        return SyncBatchNorm
+        return getattr(_batchnorm, name)
     msg = f"module 'jaxddp' has no attribute {name!r}"
     raise AttributeError(msg)
 
@@ -58,6 +59,7 @@ __all__ = [
     "LauncherMismatchError",
     "LauncherReport",
     "LauncherWarning",
+    "LinenSyncBatchNorm",
     "SyncBatchNorm",
     "TreeMismatchError",
     "__version__",
