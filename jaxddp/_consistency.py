@@ -27,6 +27,7 @@ __all__ = [
     "TreeMismatchError",
     "check_same_tree",
     "check_sampler_arguments",
+    "check_sampler_pass",
     "check_sampler_states",
     "describe_tree",
     "gather_with_deadline",
@@ -294,6 +295,39 @@ def check_sampler_states(
             "rank (the state is the same on all ranks of the run that saved it: save rank "
             "0's); ranks at different positions would take different numbers of steps and "
             "wait for each other forever."
+        )
+        raise ValueError(msg)
+
+
+def check_sampler_pass(mine: tuple[int, int | None, bool], comm: Any) -> None:
+    """Checks, collectively, that every rank starts the same pass over the sampler.
+
+    ``mine`` is this rank's ``(epoch, batch_size, drop_last)``, ``batch_size`` ``None`` for a
+    pass of single indices (iterating over the sampler itself). Called at the start of every
+    pass, so once per epoch: one small allgather. Raises ValueError on every rank when the
+    ranks differ (ranks in different epochs train on different orders; ranks with different
+    batch sizes take different numbers of steps and wait for each other forever), and
+    TimeoutError when some rank does not start its pass within ``JAXDDP_CHECK_TIMEOUT``
+    seconds.
+    """
+    private = _world.check_comm(comm)
+    if private.Get_size() == 1:
+        return
+    everyone = gather_with_deadline(
+        private, mine, what="pass over `DistributedSampler`", error=TimeoutError
+    )
+    differing = _differences(
+        [(e, "iteration" if b is None else b, d) for e, b, d in everyone],
+        ("`epoch`", "`batch_size`", "`drop_last` of `batches`"),
+    )
+    if differing:
+        msg = (
+            "Expected every rank to start the same pass over `DistributedSampler`, got "
+            f"different ones instead: {'; '.join(differing)}. Call `set_epoch` with the same "
+            "epoch and `batches` with the same `batch_size` and `drop_last` on every rank "
+            "(or iterate over the sampler on all of them): ranks in different epochs train on "
+            "different orders, and ranks with different batch sizes take different numbers of "
+            "steps and wait for each other forever."
         )
         raise ValueError(msg)
 

@@ -49,17 +49,25 @@ class DistributedSampler:
     its positions past ``N`` hold wrapped copies with mask False, as in one process, so the
     real samples of every step are one process's and no sample counts twice. Runs on
     different numbers of ranks thus train on the same global batches, and
-    :func:`jaxddp.masked_mean` over them is one process's mean. With ``drop_last=True`` the
-    order is cut to its first ``L = floor(N / W) * W`` entries instead of being padded, and
+    :func:`jaxddp.masked_mean` over them is one process's mean. A rank's last batch is only
+    padding (mask all False) when ``0 < N mod (W*B) < W``: that global batch holds fewer
+    real samples than there are ranks, and ranks ``N mod (W*B)`` and above get none.
+    Everything whose statistics span the ranks is safe there (:func:`jaxddp.masked_mean`,
+    the gradient average, :class:`jaxddp.SyncBatchNorm`); what divides by a rank's own
+    count (Flax's ``BatchNorm`` with the mask, a per-rank mean) gives ``nan``: see the docs'
+    sharp bits. With ``drop_last=True`` the order is cut to its first ``L = floor(N / W) * W`` entries instead of being padded, and
     positions repeat those.
 
     When ``comm`` is given, or ``num_replicas`` or ``rank`` is taken from the MPI world, the
     sampler is collective over ``comm`` (the world by default): every rank of it must
     construct its sampler and call :meth:`load_state_dict`. The constructor checks once that
     every rank passed the same N, ``seed``, ``shuffle`` and ``drop_last`` (otherwise samples
-    would silently be duplicated and skipped), raising ValueError on every rank if not. A
-    rank that never arrives makes the others raise TimeoutError after
-    ``JAXDDP_CHECK_TIMEOUT`` seconds instead of waiting forever. With ``num_replicas`` and
+    would silently be duplicated and skipped), raising ValueError on every rank if not; and
+    every pass (iterating over the sampler or over :meth:`batches`) starts with a check that
+    every rank is in the same epoch with the same ``batch_size`` (one small allgather per
+    pass), raising ValueError on every rank if not. A rank that never arrives makes the
+    others raise TimeoutError after ``JAXDDP_CHECK_TIMEOUT`` seconds instead of waiting
+    forever. With ``num_replicas`` and
     ``rank`` given explicitly and no ``comm``, the sampler is a pure computation that never
     touches MPI.
 
@@ -230,6 +238,14 @@ class DistributedSampler:
 
     # -- passes ---------------------------------------------------------------------------
 
+    def _check_pass(self, batch_size: int | None = None, drop_last: bool = False) -> None:
+        """A collective sampler checks that every rank starts the same pass (epoch,
+        ``batch_size``, ``drop_last``): once per pass, one small allgather."""
+        if self._comm is not False:
+            from ._consistency import check_sampler_pass
+
+            check_sampler_pass((self._epoch, batch_size, drop_last), self._comm)
+
     def _start_pass(self) -> int:
         """This rank's first entry of the pass: 0, or the loaded position's."""
         position = self._position if self._resume else 0
@@ -243,6 +259,7 @@ class DistributedSampler:
 
     def __iter__(self) -> Iterator[int]:
         """Yields this rank's indices of the epoch as Python ints, from the position on."""
+        self._check_pass()
         start = self._start_pass()
         indices = self._shard()[0]
         return self._iterate(indices, start)
@@ -300,6 +317,7 @@ class DistributedSampler:
         """
         batch_size = _integer("batch_size", batch_size, minimum=1)
         drop_last = _boolean("drop_last", drop_last)
+        self._check_pass(batch_size, drop_last)
         length = _shards.epoch_length(self._n, self._num_replicas, self._drop_last)
         if drop_last and batch_size * self._num_replicas > length:
             msg = (
