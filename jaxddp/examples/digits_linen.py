@@ -5,7 +5,8 @@
 Same data, sampler, options and checks as `jaxddp.examples.digits`; only the model and the
 step differ: `model.apply` and `tx.update(grads, opt_state, params)` instead of
 `nnx.Optimizer`, and the batch statistics (linen's `batch_stats`) travel beside the
-parameters, averaged over the ranks by `jaxddp.average_state` at every step.
+parameters. `jaxddp.LinenSyncBatchNorm` computes them over the global batch, so they stay
+identical on every rank and the model is one process's, at any world and batch size.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool, mask: Any = None) -> jax.Array:
-        hidden = nn.Dense(128)(x)
-        # The mask keeps the padding out of the batch statistics.
-        hidden = nn.BatchNorm(use_running_average=not train)(
-            hidden, mask=None if mask is None else mask[:, None]
+        hidden = nn.Dense(128, use_bias=False)(x)  # the norm would subtract a bias again
+        # The statistics of every rank's real samples: the mask keeps the padding out.
+        hidden = jaxddp.LinenSyncBatchNorm(use_running_average=not train, use_fast_variance=False)(
+            hidden, mask=mask
         )
         return nn.Dense(10)(nn.relu(hidden))
 
@@ -65,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        # Each rank's statistics came from its own shard: average them over the ranks.
-        variables = {"params": params, "batch_stats": jaxddp.average_state(stats)}
+        # LinenSyncBatchNorm's statistics are the global batch's: the same on every rank.
+        variables = {"params": params, "batch_stats": stats}
         return variables, opt_state, loss
 
     sampler = jaxddp.DistributedSampler(len(x_train), shuffle=True, seed=args.seed)
