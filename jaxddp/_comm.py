@@ -185,12 +185,49 @@ def check_reducible(tree: Any, leaves: list[Any], op: str, what: str) -> None:
 
 def _widen(x: Any, op: str) -> Any:
     """A leaf in the dtype it is reduced in: booleans as uint8 for max and min (or and and)
-    and as int32 for sum and mean (a count), bfloat16 and float16 as float32 (so a mean
-    divides before it is rounded back), other dtypes MPI lacks as :func:`wire_dtype` says."""
+    and as int32 for sum and mean (a count), integers for a mean as :func:`_sum_carrier`
+    says, bfloat16 and float16 as float32 (so a mean divides before it is rounded back),
+    other dtypes MPI lacks as :func:`wire_dtype` says."""
     if x.dtype == np.bool_:
         return x.astype(np.uint8 if op in ("max", "min") else np.int32)
+    if op == "mean" and x.dtype.kind in "iu":
+        return _sum_carrier(x)
     wide = wire_dtype(x.dtype, arithmetic=True)
     return x if wide == x.dtype else x.astype(wide)
+
+
+def _halves(dtype: Any, traced: bool) -> bool:
+    """Whether a mean of this integer dtype travels as 16-bit halves: 32-bit integers inside
+    ``jax.jit`` without ``jax_enable_x64``, where no 64-bit type holds their sum."""
+    dtype = np.dtype(dtype)
+    return traced and dtype.kind in "iu" and dtype.itemsize == 4 and not jax.config.x64_enabled
+
+
+def _sum_carrier(x: Any) -> Any:
+    """An integer leaf in a form whose sum over the ranks cannot overflow, for a mean.
+
+    8- and 16-bit integers as int32 (exact for fewer than 2**15 ranks), 32-bit ones as
+    int64 or uint64, or inside ``jax.jit`` without x64 as their high and low 16 bits, two
+    int32 arrays stacked on a new first axis (exact, like int32 counts); 64-bit ones as
+    float64 (exact to far below the float32 the mean is rounded to). ``int8`` ``[100, 100]``
+    used to wrap to -28 before the division.
+    """
+    dtype = np.dtype(x.dtype)
+    if _halves(dtype, traced=not isinstance(x, np.ndarray)):
+        return jnp.stack([x >> 16, x & 0xFFFF]).astype(jnp.int32)
+    if dtype.itemsize <= 2:
+        wide = np.int32
+    elif dtype.itemsize == 4:
+        wide = np.int64 if dtype.kind == "i" else np.uint64
+    else:
+        wide = np.float64
+    return x.astype(wide)
+
+
+def _from_halves(x: Any, dtype: Any) -> Any:
+    """A leaf that travelled as halves (not reduced: a non-root rank's own), put back."""
+    high, low = x[0].astype(dtype), x[1].astype(dtype)
+    return high * dtype.type(1 << 16) + low
 
 
 def _narrow(x: Any, dtype: Any, op: str) -> Any:
@@ -207,15 +244,21 @@ def _is_concrete(x: Any) -> bool:
     return not isinstance(x, Tracer)
 
 
-def _mean(x: Any, size: int) -> Any:
-    """The sum ``x`` divided by the world size: float32 for integer and boolean leaves."""
+def _mean(x: Any, size: int, dtype: Any) -> Any:
+    """The sum ``x`` of leaves of ``dtype`` divided by the world size: float32 for integer
+    and boolean leaves, divided in the widest float there is, then rounded once."""
+    inexact = jnp.issubdtype(dtype, jnp.inexact)
     if isinstance(x, np.ndarray):
-        if x.dtype.kind in "fc":  # bfloat16 and float16 arrive widened to float32
+        if inexact:  # bfloat16 and float16 arrive widened to float32
             return x / size
         return np.asarray(x / size, dtype=np.float32)
-    if jnp.issubdtype(x.dtype, jnp.inexact):
+    if inexact:
         return x / size
-    return x / np.float32(size)
+    if _halves(dtype, traced=True):  # the exact sum, rounded once to float32, then divided
+        total = x[0].astype(jnp.float32) * np.float32(1 << 16) + x[1].astype(jnp.float32)
+        return total / np.float32(size)
+    wide = jnp.float64 if jax.config.x64_enabled else jnp.float32
+    return (x.astype(wide) / size).astype(jnp.float32)
 
 
 def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
@@ -232,7 +275,8 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
 
     Args:
       tree: a pytree of arrays or numbers. Shapes and dtypes are kept, except that
-        ``"mean"`` of an integer leaf is a float32 leaf, as with ``jnp.mean``. Boolean
+        ``"mean"`` of an integer leaf is a float32 leaf, as with ``jnp.mean``, summed
+        without overflow (wide, or as 16-bit halves) before it is divided. Boolean
         leaves: ``"max"`` is a logical or, ``"min"`` a logical and (both stay boolean),
         ``"sum"`` the int32 count of True and ``"mean"`` its float32 fraction. bfloat16
         and float16 leaves are reduced (and a mean divided) in float32, then rounded once.
@@ -286,7 +330,10 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
         dtypes = [x.dtype for x in leaves]
         leaves = _fused([_widen(x, op) for x in leaves], reduce, arithmetic=True)
         if op == "mean":  # integer and boolean leaves: their float32 mean
-            leaves = [x if jnp.issubdtype(x.dtype, jnp.inexact) else _mean(x, size) for x in leaves]
+            leaves = [
+                x if jnp.issubdtype(x.dtype, jnp.inexact) else _mean(x, size, d)
+                for x, d in zip(leaves, dtypes, strict=True)
+            ]
         leaves = [_narrow(x, d, op) for x, d in zip(leaves, dtypes, strict=True)]
         return jax.tree_util.tree_unflatten(treedef, leaves)
     else:
@@ -294,7 +341,7 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
         dtypes = [x.dtype for x in leaves]
         leaves = [_widen(x, op) for x in leaves]
     if op == "mean":
-        leaves = [_mean(x, size) for x in leaves]
+        leaves = [_mean(x, size, d) for x, d in zip(leaves, dtypes, strict=True)]
     leaves = [_narrow(x, d, op) for x, d in zip(leaves, dtypes, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -372,7 +419,9 @@ def _finish(
 ) -> Any:
     """A leaf after a rooted collective, in the dtype it is given back in."""
     if op is not None and is_root:
-        return _narrow(_mean(x, size) if op == "mean" else x, dtype, op)
+        return _narrow(_mean(x, size, dtype) if op == "mean" else x, dtype, op)
+    if op == "mean" and _halves(dtype, traced=not isinstance(x, np.ndarray)):
+        return _from_halves(x, np.dtype(dtype))  # not root: its own values, put back
     if op is not None:  # not root: its own values, back in their own dtype (exactly)
         return x if x.dtype == dtype else x.astype(dtype)
     if key:  # a broadcast key: its key data, made a key again
