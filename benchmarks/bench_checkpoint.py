@@ -8,6 +8,8 @@ saves it with Orbax's own ``CheckpointManager`` (what a single-process job does)
 ranks waiting in a barrier. ``jaxddp``: every rank calls ``jaxddp.CheckpointManager.save``
 (rank 0 writes, the others learn the outcome). Both wait until the checkpoint is complete
 on disk. They take turns; medians. Issue 15's target: jaxddp at most 1.2x Orbax.
+``checksums``: the CRC-32 of every array that jaxddp's save computes (part of ``jaxddp``),
+timed alone on rank 0 in the same rounds: issue 22's target is at most 10% of the save.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxddp
-from jaxddp import _comm
+from jaxddp import _checkpoint, _comm
 
 
 def make_state() -> dict:
@@ -68,8 +70,12 @@ def main() -> None:
             theirs.wait_until_finished()
         comm.Barrier()
 
-    samples: dict[str, list[float]] = {"orbax": [], "jaxddp": []}
-    fns = {"orbax": orbax_save, "jaxddp": lambda step: ours.save(step, state)}
+    samples: dict[str, list[float]] = {"orbax": [], "jaxddp": [], "checksums": []}
+    fns = {
+        "orbax": orbax_save,
+        "jaxddp": lambda step: ours.save(step, state),
+        "checksums": lambda step: rank == 0 and _checkpoint._checksums(state),
+    }
     for step in range(args.repeats + 1):  # the first round warms up
         names = list(fns) if step % 2 == 0 else list(reversed(fns))
         for name in names:
@@ -92,6 +98,8 @@ def main() -> None:
         "orbax_s": medians["orbax"],
         "jaxddp_s": medians["jaxddp"],
         "ratio": medians["jaxddp"] / medians["orbax"],
+        "checksums_s": medians["checksums"],
+        "checksums_share": medians["checksums"] / medians["jaxddp"],
         "samples": samples,
     }
     if rank == 0:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from . import _world
 from ._checkpoint import CheckpointManager as CheckpointManager
+from ._checkpoint import DamagedCheckpointError as DamagedCheckpointError
 from ._comm import allreduce as allreduce
 from ._comm import broadcast as broadcast
 from ._comm import local_rank as local_rank
@@ -55,6 +56,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "CheckpointManager",
+    "DamagedCheckpointError",
     "DistributedSampler",
     "LauncherMismatchError",
     "LauncherReport",

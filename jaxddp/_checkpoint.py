@@ -5,13 +5,19 @@ knows nothing of MPI): left alone, every rank believes it is the primary writer.
 first rank of the communicator does all file I/O with a single-process Orbax
 ``CheckpointManager``; the others wait for its outcome, an error included, so that every
 rank raises the same error and none waits forever. A restored state is read by that rank
-and broadcast, so the directory needs to be visible to it alone.
+and broadcast, so the directory needs to be visible to it alone. Every saved array carries
+a CRC-32 of its bytes in the step's metadata; a restore verifies them on the reading rank
+before any rank uses the values, and a resume (``restore(None, ...)``) falls back to the
+newest intact checkpoint.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
+import warnings
+import zlib
 from typing import Any, Self
 
 import jax
@@ -20,9 +26,14 @@ import numpy as np
 
 from . import _comm, _consistency, _world
 
-__all__ = ["CheckpointManager"]
+__all__ = ["CheckpointManager", "DamagedCheckpointError"]
 
 _ROOT = 0
+_METADATA_KEY = "jaxddp"  # in Orbax's custom metadata of a step: {"crc32": {path: crc}}
+
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint whose files cannot be read or whose values fail their checksums."""
 
 
 def _is_key(leaf: Any) -> bool:
@@ -131,20 +142,21 @@ class CheckpointManager:
     def _on_writer(self, action: Any, doing: str) -> Any:
         """Runs ``action()`` on the writer; returns its result there (None elsewhere) and
         raises on every rank if it failed there: ValueError where the writer's error was one
-        (a state that does not match, bad input), RuntimeError for anything else (the file
-        system, Orbax)."""
+        (a state that does not match, bad input), :class:`DamagedCheckpointError` for a
+        checkpoint that cannot be read or fails its checksums, RuntimeError for anything
+        else (the file system, Orbax)."""
         result, error = None, None
         if self._writer:
             try:
                 result = action()
             except Exception as e:  # noqa: BLE001 - reported on every rank below
-                error = (isinstance(e, ValueError), f"{type(e).__name__}: {e}")
+                error = (_kind(e), f"{type(e).__name__}: {e}")
         error = self._comm.bcast(error, root=_ROOT)
         if error is not None:
-            invalid, text = error
+            kind, text = error
             where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
             msg = f"Could not {doing}{where}: {text}"
-            raise (ValueError if invalid else RuntimeError)(msg)
+            raise _ERRORS[kind](msg)
         return result
 
     def _manager_or_raise(self) -> Any:
@@ -166,7 +178,10 @@ class CheckpointManager:
 
         def write() -> None:
             manager = self._manager_or_raise()
-            manager.save(step, args=ocp.args.StandardSave(storable), force=True)
+            metadata = {_METADATA_KEY: {"crc32": _checksums(storable)}}
+            manager.save(
+                step, args=ocp.args.StandardSave(storable), force=True, custom_metadata=metadata
+            )
             manager.wait_until_finished()
 
         self._on_writer(write, f"save checkpoint {step} in {self.directory!r}")
@@ -185,40 +200,69 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def restore(self, step: int | None, target: Any) -> Any:
-        """Checkpoint ``step`` (the newest when None), on every rank, shaped as ``target``.
+        """Checkpoint ``step`` (the newest intact one when None), on every rank, shaped as
+        ``target``.
 
         ``target`` is a state of the same structure, shapes and dtypes as the one saved,
         e.g. the freshly initialized state; its values are not used. A checkpoint of another
         structure (another model, another optimizer) raises ValueError on every rank naming
         the first difference. The restored leaves are jax arrays where ``target`` has jax
         arrays, typed keys where it has keys, numbers where it has numbers.
+
+        The reading rank checks every array against the checksum saved with it before any
+        rank gets a value. A checkpoint that fails it, or whose files cannot be read, raises
+        :class:`DamagedCheckpointError` (a RuntimeError) on every rank naming the step and
+        the entry; with ``step=None`` the next older checkpoint is tried instead, with a
+        RuntimeWarning on every rank, and the error comes only when none is intact.
         """
         import orbax.checkpoint as ocp
 
         if step is None:
-            step = self.latest_step()
-            if step is None:
+            candidates = self.all_steps()[::-1]
+            if not candidates:
                 msg = f"There is no checkpoint in {self.directory!r} to restore."
                 raise FileNotFoundError(msg)
-        step = _check_step(step)
+        else:
+            candidates = [_check_step(step)]
         storable_target = _storable(target)
         _consistency.check_same_tree(storable_target, what="restore target", comm=self._user_comm)
 
-        def read() -> Any:
+        def read(step: int) -> Any:
             manager = self._manager_or_raise()
             # Compared before reading: a read that fails halfway leaves tensorstore
             # callbacks for an event loop already closed ("Event loop is closed" on stderr).
-            metadata = manager.item_metadata(step)
+            metadata = _unreadable(step, "its metadata", lambda: manager.item_metadata(step))
             if getattr(metadata, "tree", None) is not None:
                 _check_matches(metadata, storable_target, step)
-            restored = manager.restore(step, args=ocp.args.StandardRestore(storable_target))
+            restored = _unreadable(
+                step,
+                "its arrays",
+                lambda: manager.restore(step, args=ocp.args.StandardRestore(storable_target)),
+            )
             _check_matches(restored, storable_target, step)
+            saved = _unreadable(step, "its checksums", lambda: manager.metadata(step))
+            _verify(restored, getattr(saved, "custom_metadata", None), step)
             return restored
 
-        restored = self._on_writer(read, f"restore checkpoint {step} from {self.directory!r}")
-        values = restored if self._writer else storable_target
-        values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
-        return jax.tree_util.tree_map(_like, values, target)
+        for i, candidate in enumerate(candidates):
+            try:
+                restored = self._on_writer(
+                    lambda s=candidate: read(s),
+                    f"restore checkpoint {candidate} from {self.directory!r}",
+                )
+            except DamagedCheckpointError as e:
+                if i + 1 == len(candidates):
+                    raise
+                warnings.warn(
+                    f"{e} Falling back to checkpoint {candidates[i + 1]}.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+            values = restored if self._writer else storable_target
+            values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
+            return jax.tree_util.tree_map(_like, values, target)
+        raise AssertionError  # unreachable: the last candidate returns or raises
 
     def close(self) -> None:
         """Waits for Orbax and releases it; collective."""
@@ -245,6 +289,66 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"jaxddp.CheckpointManager({self.directory!r})"
+
+
+def _kind(error: Exception) -> str:
+    if isinstance(error, DamagedCheckpointError):
+        return "damaged"
+    return "invalid" if isinstance(error, ValueError) else "other"
+
+
+_ERRORS: dict[str, type[Exception]] = {
+    "damaged": DamagedCheckpointError,
+    "invalid": ValueError,
+    "other": RuntimeError,
+}
+
+
+def _crc32(leaf: Any) -> int | None:
+    """The CRC-32 of an array leaf's bytes (C order); None for Python numbers."""
+    if isinstance(leaf, bool | int | float | complex | str):
+        return None
+    array = np.ascontiguousarray(np.asarray(leaf))
+    return zlib.crc32(array.view(np.uint8).reshape(-1) if array.size else b"")
+
+
+def _checksums(storable: Any) -> dict[str, int]:
+    """``{path: crc32}`` for every array leaf of a storable state. zlib releases the GIL
+    while it hashes, so the leaves are hashed on a few threads at once."""
+    leaves = _by_path(storable)
+    workers = min(4, os.cpu_count() or 1, max(1, len(leaves)))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        crcs = list(pool.map(_crc32, leaves.values()))
+    return {"/".join(path): crc for path, crc in zip(leaves, crcs, strict=True) if crc is not None}
+
+
+def _verify(restored: Any, custom: Any, step: int) -> None:
+    """Raises DamagedCheckpointError naming the first array whose bytes fail the checksum
+    saved with it. A checkpoint saved without checksums (by an older jaxddp) passes."""
+    saved = (custom or {}).get(_METADATA_KEY, {}).get("crc32") if isinstance(custom, dict) else None
+    if not saved:
+        return
+    for path, leaf in _by_path(restored).items():
+        name = "/".join(path)
+        crc = _crc32(leaf)
+        if crc is not None and name in saved and int(saved[name]) != crc:
+            msg = (
+                f"Checkpoint {step} is damaged: the values read for `{_path_text(path)}` fail "
+                f"the checksum saved with them (CRC-32 {crc:08x}, saved {int(saved[name]):08x}); "
+                "its files were changed or corrupted after the save."
+            )
+            raise DamagedCheckpointError(msg)
+
+
+def _unreadable(step: int, what: str, read: Any) -> Any:
+    """``read()``, with a failure reported as a damaged checkpoint (a target of another
+    structure is caught before, against the metadata: see ``restore``)."""
+    try:
+        return read()
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0][:300]  # tensorstore's spec follows: cut
+        msg = f"Checkpoint {step} is damaged: {what} cannot be read ({type(e).__name__}: {first})."
+        raise DamagedCheckpointError(msg) from e
 
 
 def _check_step(step: Any) -> int:
