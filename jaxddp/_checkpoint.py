@@ -179,10 +179,16 @@ class CheckpointManager:
         def write() -> None:
             manager = self._manager_or_raise()
             metadata = {_METADATA_KEY: {"crc32": _checksums(storable)}}
-            manager.save(
-                step, args=ocp.args.StandardSave(storable), force=True, custom_metadata=metadata
-            )
-            manager.wait_until_finished()
+            try:
+                manager.save(
+                    step, args=ocp.args.StandardSave(storable), force=True, custom_metadata=metadata
+                )
+                manager.wait_until_finished()
+            except Exception as e:
+                # the state was checked above: what fails here is the writing (tensorstore
+                # reports a full disk as a ValueError), a RuntimeError as documented
+                msg = f"{type(e).__name__}: {e}"
+                raise RuntimeError(msg) from e
 
         self._on_writer(write, f"save checkpoint {step} in {self.directory!r}")
 

@@ -7,8 +7,8 @@ raises :class:`TreeMismatchError` on every rank naming the first differing path.
 
 Every such check (the tree check, :func:`synchronize`, the sampler's checks of its
 arguments and of a loaded state) goes through :func:`gather_with_deadline`: a rank that
-never arrives makes the others raise within ``JAXDDP_CHECK_TIMEOUT`` seconds instead of
-waiting forever.
+never arrives makes the others raise TimeoutError within ``JAXDDP_CHECK_TIMEOUT`` seconds
+instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ def gather_with_deadline(
 def check_same_tree(
     tree: Any, *, what: str = "tree", timeout: float | None = None, comm: Any = None
 ) -> None:
-    """Raises :class:`TreeMismatchError` on every rank unless all ranks' trees match.
+    """Raises :class:`TreeMismatchError` on every rank unless all ranks' trees match, and
+    TimeoutError when some rank does not arrive within ``JAXDDP_CHECK_TIMEOUT`` seconds.
 
     A collective over ``comm`` (jaxddp's private communicator by default): every rank of it
     must call it. On a user's communicator it runs on a private duplicate of it. It compares
@@ -177,7 +178,7 @@ def check_same_tree(
     if private.Get_size() == 1:
         return
     descriptions = gather_with_deadline(
-        private, describe_tree(tree), what=what, timeout=timeout, error=TreeMismatchError
+        private, describe_tree(tree), what=what, timeout=timeout, error=TimeoutError
     )
     if all(d == descriptions[0] for d in descriptions):
         return
@@ -337,8 +338,8 @@ def synchronize(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
 
     Use it once before training, on the parameters and the optimizer state, so every rank
     starts from the same point. Leaves that are not arrays or numbers are returned
-    unchanged. Raises :class:`TreeMismatchError` on every rank if the trees differ, or if
-    some rank does not arrive within ``JAXDDP_CHECK_TIMEOUT`` seconds.
+    unchanged. Raises :class:`TreeMismatchError` on every rank if the trees differ, and
+    TimeoutError if some rank does not arrive within ``JAXDDP_CHECK_TIMEOUT`` seconds.
 
     Args:
       tree: a pytree; every rank of ``comm`` must pass one of the same structure.

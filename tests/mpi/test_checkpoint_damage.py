@@ -86,3 +86,21 @@ def test_when_no_checkpoint_is_intact_the_resume_is_an_error_on_every_rank(direc
         # an intact one saved after them restores as ever
         ckpt.save(3, _state(3))
         assert ckpt.restore(None, _state(0))["step"] == 3
+
+
+def test_a_full_disk_during_a_save_is_a_runtime_error_on_every_rank():
+    # a 64 KiB tmpfs as the disk (we are root in CI; decided on rank 0 for every rank)
+    where = tempfile.mkdtemp(prefix="jaxddp-full-") if rank == 0 else None
+    mounted = rank == 0 and os.system(f"mount -t tmpfs -o size=64k tmpfs {where}") == 0
+    where, mounted = WORLD.bcast((where, mounted))
+    if not mounted:
+        pytest.skip("mounting a small tmpfs needs root")  # the same decision on every rank
+    try:
+        with jaxddp.CheckpointManager(os.path.join(where, "ckpt")) as ckpt:
+            with pytest.raises(RuntimeError, match=r"save checkpoint 1.*No space left") as info:
+                ckpt.save(1, {"w": jnp.arange(1_000_000, dtype=jnp.float32)})
+            assert not isinstance(info.value, ValueError)  # tensorstore's own type
+    finally:
+        WORLD.Barrier()
+        if rank == 0:
+            os.system(f"umount {where}")
