@@ -153,17 +153,30 @@ def leaf_path(tree: Any, index: int) -> str:
     return jax.tree_util.keystr(flat[index][0])
 
 
-def check_reducible(tree: Any, leaves: list[Any], op: str, what: str) -> None:
-    """Raises, naming the leaf, for a leaf that ``op`` cannot reduce: a typed PRNG key
-    (TypeError), or a complex number with ``max``/``min`` (ValueError).
+def check_reducible(
+    tree: Any, leaves: list[Any], op: str, what: str, *, others_pass: bool = False
+) -> None:
+    """Raises, naming the leaf, for a leaf that ``op`` cannot reduce: anything but an array
+    or a number (a string, a function: TypeError), a typed PRNG key (TypeError), or a
+    complex number with ``max``/``min`` (ValueError). With ``others_pass``, leaves that are
+    neither arrays nor numbers are left to pass unchanged.
 
     Decided from dtypes alone, before anything is sent, so every rank (whose trees match)
     raises the same error and no rank is left waiting in a collective.
     """
     for i, leaf in enumerate(leaves):
         dtype = _leaf_dtype(leaf)
-        if dtype is None:
-            continue
+        if others_pass and not _is_number_or_array(leaf):
+            continue  # a rooted collective gives such leaves back unchanged
+        if dtype is None or (not is_key_dtype(dtype) and np.dtype(dtype).kind in "OSU"):
+            kind = type(leaf).__name__ if dtype is None else f"{type(leaf).__name__} of {dtype}"
+            msg = (
+                f"`{what}` got a {kind} at `{leaf_path(tree, i)}`, which is not an array of "
+                "numbers or booleans: it cannot be reduced. Leave it out of the tree (with "
+                "Equinox, `eqx.filter(tree, eqx.is_array)`; with Flax NNX, `nnx.state(model, "
+                "nnx.Param)`), or send other objects with mpi4py's lowercase methods."
+            )
+            raise TypeError(msg)
         if is_key_dtype(dtype):
             msg = (
                 f"`{what}` cannot reduce the PRNG key at `{leaf_path(tree, i)}` "
@@ -386,7 +399,7 @@ def _rooted(
     check_root(root, size)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     if op is not None:
-        check_reducible(tree, leaves, op, "reduce")
+        check_reducible(tree, leaves, op, "reduce", others_pass=True)
     picked = [i for i, leaf in enumerate(leaves) if _is_number_or_array(leaf)]
     if not picked or (size == 1 and op is None):
         return tree

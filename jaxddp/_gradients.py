@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from . import _comm, _settings
@@ -38,6 +39,8 @@ def resolve_unused_parameters(grads: Any, params: Any) -> Any:
     Raises:
       ValueError: a present gradient's shape differs from its parameter's, or ``grads`` has
         a leaf where ``params`` has none; the message names the tree path.
+      TypeError: ``params`` holds a leaf that is not an array or a number (a whole Equinox
+        model, say: pass ``eqx.filter(model, eqx.is_array)``); the message names the path.
 
     Example:
       >>> import jax.numpy as jnp
@@ -53,6 +56,15 @@ def resolve_unused_parameters(grads: Any, params: Any) -> Any:
 
     def fill(path: tuple[Any, ...], param: Any) -> Any:
         path = tuple(path)
+        if not _is_array_like(param):
+            msg = (
+                f"`params` holds a {type(param).__module__}.{type(param).__qualname__} at "
+                f"`{jax.tree_util.keystr(path)}`, which is not an array: pass only the "
+                "parameters' arrays. With Equinox, `eqx.filter(model, eqx.is_array)` (and "
+                "gradients from `eqx.filter_grad`); with Flax NNX, `nnx.state(model, "
+                "nnx.Param)`; otherwise the pytree of arrays the gradients were taken of."
+            )
+            raise TypeError(msg)
         grad = present.get(path)
         if grad is not None:
             used.add(path)
@@ -77,6 +89,10 @@ def resolve_unused_parameters(grads: Any, params: Any) -> Any:
         )
         raise ValueError(msg)
     return out
+
+
+def _is_array_like(leaf: Any) -> bool:
+    return isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float | complex)
 
 
 def _has_missing(tree: Any) -> bool:

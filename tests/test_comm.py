@@ -81,3 +81,12 @@ def test_large_buffers_travel_in_chunks_mpi_can_count():
     assert chunks(2 * MAX_COUNT + 1) == [
         (0, MAX_COUNT), (MAX_COUNT, 2 * MAX_COUNT), (2 * MAX_COUNT, 2 * MAX_COUNT + 1)
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("leaf", ["relu", jax.nn.relu, np.array(["a", "b"])], ids=str)
+def test_a_leaf_that_is_not_numbers_is_refused_naming_its_path(leaf):
+    tree = {"w": jnp.ones(2), "name": leaf}
+    with pytest.raises(TypeError, match=r"`allreduce` got a .* at `\['name'\]`.*eqx\.filter"):
+        jaxddp.allreduce(tree)
+    if not isinstance(leaf, np.ndarray):  # reduce gives non-arrays back, as documented
+        assert jaxddp.reduce(tree, "sum", root=0)["name"] is leaf

@@ -177,3 +177,19 @@ def test_describe_tree_and_mismatch_message():
     assert "`['b']`" in message
     assert "rank 0 has float32[3]" in message
     assert "rank 1 has nothing" in message
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_whole_model_as_params_names_the_leaf_and_the_equinox_fix(jit):
+    # what a whole Equinox model holds besides arrays: its activation, a custom_jvp
+    params = {"linear": {"weight": jnp.ones((2, 2))}, "activation": jax.nn.relu}
+    grads = {"linear": {"weight": jnp.ones((2, 2))}, "activation": None}
+    tx = jaxddp.allreduce_gradients()
+    update = lambda g: tx.update(g, tx.init(None), params)
+    update = jax.jit(update) if jit else update
+    with pytest.raises(TypeError, match=r"at `\['activation'\]`.*eqx\.filter\(model, eqx\.is_"):
+        update(grads)
+    # only the arrays, as the message says: fine
+    arrays = {"linear": params["linear"], "activation": None}
+    updates, _ = tx.update(grads, tx.init(None), arrays)
+    assert updates["linear"]["weight"].shape == (2, 2)
