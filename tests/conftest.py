@@ -8,7 +8,9 @@ from tests.mpi_plugin import (
     pytest_configure,
     pytest_pycollect_makemodule,
     pytest_report_header,
+    pytest_runtest_logfinish,
     pytest_runtest_logreport,
+    pytest_runtest_logstart,
     pytest_sessionfinish,
     pytest_warning_recorded,
 )
@@ -21,7 +23,9 @@ __all__ = [
     "pytest_configure",
     "pytest_pycollect_makemodule",
     "pytest_report_header",
+    "pytest_runtest_logfinish",
     "pytest_runtest_logreport",
+    "pytest_runtest_logstart",
     "pytest_sessionfinish",
     "pytest_warning_recorded",
 ]

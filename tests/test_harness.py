@@ -87,13 +87,20 @@ def test_plugin_judges_every_test_by_every_rank(pytester):
 def _run_module(pytester, name: str, source: str, **env: str):
     """Runs one module as tests/mpi/NAME through the project's plugin, with the variables
     ``env`` set; returns pytester's result."""
+    return _run_modules(pytester, {name: source}, **env)
+
+
+def _run_modules(pytester, sources: dict[str, str], **env: str):
+    """Runs modules as tests/mpi/NAME (name -> source) through the project's plugin, with
+    the variables ``env`` set; returns pytester's result."""
     pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
     pytester.makeini(  # as the project's: every warning is an error
         "[pytest]\nfilterwarnings =\n    error\n    ignore::DeprecationWarning:jax.*\n"
     )
     mpi = pytester.path / "suite" / "mpi"
     mpi.mkdir(parents=True)
-    (mpi / name).write_text(textwrap.dedent(source))
+    for name, source in sources.items():
+        (mpi / name).write_text(textwrap.dedent(source))
     env_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     pytester._monkeypatch.setenv("PYTHONPATH", env_path)
     pytester._monkeypatch.delenv("JAXDDP_TEST_NP", raising=False)
@@ -204,3 +211,61 @@ def test_a_hang_after_a_failure_on_one_rank_shows_that_failure(pytester):
         ["*test_rank_1_fails_before_a_collective failed in call on this rank*"]
     )
     result.stdout.fnmatch_lines(["*rank 1 left before the barrier*"])
+
+
+def test_modules_of_one_world_size_share_a_launch_and_a_hang_is_blamed_on_its_test(pytester):
+    """Three modules at 2 ranks are one launch: the ranks report one pid each across all
+    three. The third hangs in its second test; the first two keep their results (one passed,
+    one failed), and the hang's report names the test each rank was in."""
+    pid = """
+        import os
+        from mpi4py import MPI
+        import jaxddp
+
+        MPI_SIZES = (2,)
+
+        def test_one_launch_for_all():
+            pids = MPI.COMM_WORLD.allgather(os.getpid())
+            if jaxddp.rank() == 0:  # the ranks run in pytester's folder
+                with open("pids.txt", "a") as f:
+                    f.write(" ".join(map(str, pids)) + "\\n")
+        """
+    result = _run_modules(
+        pytester,
+        {
+            "test_first.py": pid,
+            "test_second.py": pid
+            + """
+        def test_fails_on_both_ranks():
+            assert MPI.COMM_WORLD.allreduce(1) == 3, "two ranks, not three"
+        """,
+            "test_third.py": pid
+            + """
+        def test_rank_1_never_joins():
+            if jaxddp.rank() == 0:
+                MPI.COMM_WORLD.Barrier()
+        """,
+        },
+        JAXDDP_TEST_TIMEOUT="20",
+        JAXDDP_STALL_WARN="0",
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*test_first.py::[[]np=2[]] PASSED*",
+            "*test_first.py::test_one_launch_for_all[[]np=2[]] PASSED*",
+            "*test_second.py::[[]np=2[]] PASSED*",
+            "*test_second.py::test_one_launch_for_all[[]np=2[]] PASSED*",
+            "*test_second.py::test_fails_on_both_ranks[[]np=2[]] FAILED*",
+            "*test_third.py::[[]np=2[]] FAILED*",
+            "*test_third.py::test_one_launch_for_all[[]np=2[]] PASSED*",
+            "*test_third.py::test_rank_1_never_joins[[]np=2[]] FAILED*",
+        ]
+    )
+    result.stdout.fnmatch_lines(["*two ranks, not three*"])
+    result.stdout.fnmatch_lines(["*deadlock suspected*"])
+    result.stdout.fnmatch_lines(
+        ["*the launch stopped with rank 0 in test_third.py::test_rank_1_never_joins*"]
+    )
+    lines = (pytester.path / "pids.txt").read_text().splitlines()
+    assert len(lines) == 3, lines
+    assert len(set(lines)) == 1, lines  # the same two processes in all three modules
