@@ -13,6 +13,9 @@ in; the modules of the launch that had finished on every rank before it keep the
 
 ``MPI_GROUP = "name"`` at module level gives a module (with the others of that name) a
 launch of its own: for tests that hold gigabytes per rank.
+
+The items of the main launch at 2 ranks are the fast lane's (``pytest -m "not slow"``); those
+of every other launch (3 or 4 ranks, a variant, a group) are marked ``slow``.
 """
 
 from __future__ import annotations
@@ -33,9 +36,14 @@ import pytest
 from tests.harness import RANK_RUN_VARIABLE, LaunchResult, default_timeout, launch
 
 DEFAULT_SIZES = (2, 4)
+# The launch the fast lane (``-m "not slow"``) keeps: 2 ranks, no variant, no MPI_GROUP.
+# Every other launch's items carry the ``slow`` marker.
+FAST_SIZE = 2
 SIZES_VARIABLE = "JAXDDP_TEST_NP"  # e.g. "2" or "2,4": restricts the world sizes run
 # What each rank writes to its log as a test starts and ends (see pytest_runtest_logstart).
 _STARTS, _ENDS = "jaxddp test harness: start ", "jaxddp test harness: end "
+_LATE = "jaxddp test harness: failed late: "  # see pytest_sessionfinish
+_LATE_LINE = re.compile(f"^{_LATE}(.+)$", re.MULTILINE)
 _LINE = re.compile(
     r"^jaxddp test harness: (?:start (?P<start>.+)|end (?P<end>.+) (?P<status>\w+))$", re.MULTILINE
 )
@@ -148,6 +156,7 @@ class MPIRun:
         self.result: LaunchResult | None = None
         self.outcomes: dict[str, dict[tuple[str, str], Outcome]] = {}  # rank -> key -> outcome
         self.stopped_in: dict[str, tuple[str, str]] = {}  # rank -> test it was in at the end
+        self.late: set[str] = set()  # modules blamed for a late exception (see _LATE)
 
     def run(self, session: pytest.Session) -> LaunchResult:
         if self.result is None:
@@ -181,7 +190,9 @@ class MPIRun:
             )
             for log in sorted(directory.glob("rank-*.log")):
                 rank = log.stem[len("rank-") :]
-                outcomes, current = _read_log(log.read_text(errors="replace"))
+                text = log.read_text(errors="replace")
+                outcomes, current = _read_log(text)
+                self.late.update(_test_key(where)[0] for where in _LATE_LINE.findall(text))
                 xml = log.with_suffix(".xml")
                 if xml.exists():
                     outcomes.update(_read_junit(xml.read_text()))
@@ -207,8 +218,10 @@ class MPIRun:
 
 
 class MPILaunchItem(pytest.Item):
-    """The launch, as seen by one module: it fails on a hang or crash inside this module
-    (or anywhere, when no test can be blamed), or when the ranks ran different tests."""
+    """The launch, as seen by one module: it fails on a hang or crash inside this module or
+    before its tests all ran, on an exception in a thread or finalizer during one of its
+    tests, on a failed launch that no test can be blamed for, or when the ranks ran
+    different sets of its tests."""
 
     def __init__(self, *, mpi_run: MPIRun, names: list[str], **kwargs) -> None:
         super().__init__(**kwargs)
@@ -220,24 +233,17 @@ class MPILaunchItem(pytest.Item):
         result = run.run(self.session)
         module = self.path.name
         mine = run.module_outcomes(module)
-        missing = run.np - len(run.outcomes)
-        complete = (
-            all(
+        if not result.ok or len(run.outcomes) < run.np:
+            incomplete = len(mine) < run.np or not all(
                 any(key == n or key.startswith(n + "[") for key in outcomes)
                 for outcomes in mine.values()
                 for n in self.names
             )
-            and len(mine) == run.np
-        )
-        stopped_here = any(m == module for m, _ in run.stopped_in.values())
-        if result.timed_out or missing or result.returncode != 0:
-            blamed = {m for m, _ in run.stopped_in.values()}
-            any_failure = any(
-                o.status == "failed" for r in run.outcomes.values() for o in r.values()
-            )
-            if stopped_here or not complete or missing:
+            stopped_here = any(m == module for m, _ in run.stopped_in.values())
+            if incomplete or stopped_here or module in run.late:
                 raise MPIFailure(run.stopped_in_text() + result.report())
-            if not blamed and not any_failure:  # exited non-zero, no test to blame
+            failures = any(o.status == "failed" for r in run.outcomes.values() for o in r.values())
+            if not (run.stopped_in or run.late or failures):  # no test to blame
                 raise MPIFailure(result.report())
         names = {frozenset(r) for r in mine.values()}
         if len(names) != 1:
@@ -319,17 +325,25 @@ class MPIModule(pytest.File):
                 if self.path not in mpi_run.paths:
                     mpi_run.paths.append(self.path)
                 tag = f"np={np}" + (f"-{variant}" if variant else "")
-                yield MPILaunchItem.from_parent(
-                    self, name=f"[{tag}]", mpi_run=mpi_run, names=plan.names
-                )
-                for name in plan.names:
-                    yield MPITestItem.from_parent(
-                        self,
-                        name=f"{name}[{tag}]",
-                        mpi_run=mpi_run,
-                        names=plan.names,
-                        test_id=name,
-                    )
+                items = [
+                    MPILaunchItem.from_parent(
+                        self, name=f"[{tag}]", mpi_run=mpi_run, names=plan.names
+                    ),
+                    *(
+                        MPITestItem.from_parent(
+                            self,
+                            name=f"{name}[{tag}]",
+                            mpi_run=mpi_run,
+                            names=plan.names,
+                            test_id=name,
+                        )
+                        for name in plan.names
+                    ),
+                ]
+                for item in items:
+                    if np != FAST_SIZE or variant or plan.group:
+                        item.add_marker(pytest.mark.slow)
+                    yield item
 
 
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
@@ -362,7 +376,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 #   only written to the log.
 
 _LATE_WARNINGS = ("PytestUnraisableExceptionWarning", "PytestUnhandledThreadExceptionWarning")
-_late: list[str] = []
+_late: list[tuple[str, str]] = []  # (node id or phase, the exception's text)
 
 
 def _on_rank() -> bool:
@@ -411,7 +425,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_warning_recorded(warning_message, when, nodeid, location) -> None:
     if type(warning_message.message).__name__ in _LATE_WARNINGS:
-        _late.append(f"{nodeid or when}: {warning_message.message}")
+        _late.append((nodeid or when, str(warning_message.message)))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -419,8 +433,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     sys.stderr.write(
         "\njaxddp test harness: exceptions in threads or finalizers on this rank (reported "
-        "here, at the end, so that no other rank waits for this one):\n" + "\n".join(_late) + "\n"
+        "here, at the end, so that no other rank waits for this one):\n"
+        + "\n".join(f"{where}: {text}" for where, text in _late)
+        + "\n"
     )
+    ours = [where for where, text in _late if _through(text, session.config.rootpath)]
+    for where in ours:  # the launcher's side blames the module of each
+        sys.stderr.write(f"{_LATE}{where}\n")
     sys.stderr.flush()
-    if any(_through(text, session.config.rootpath) for text in _late):
+    if ours:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
