@@ -12,6 +12,7 @@ from tests.mpi_plugin import (
     pytest_runtest_logreport,
     pytest_runtest_logstart,
     pytest_sessionfinish,
+    pytest_terminal_summary,
     pytest_warning_recorded,
 )
 
@@ -27,5 +28,6 @@ __all__ = [
     "pytest_runtest_logreport",
     "pytest_runtest_logstart",
     "pytest_sessionfinish",
+    "pytest_terminal_summary",
     "pytest_warning_recorded",
 ]

@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -45,7 +46,9 @@ _STARTS, _ENDS = "jaxddp test harness: start ", "jaxddp test harness: end "
 _LATE = "jaxddp test harness: failed late: "  # see pytest_sessionfinish
 _LATE_LINE = re.compile(f"^{_LATE}(.+)$", re.MULTILINE)
 _LINE = re.compile(
-    r"^jaxddp test harness: (?:start (?P<start>.+)|end (?P<end>.+) (?P<status>\w+))$", re.MULTILINE
+    r"^jaxddp test harness: (?:start (?P<start>.+)|end (?P<end>.+) (?P<status>\w+) "
+    r"(?P<seconds>[\d.]+) s)$",
+    re.MULTILINE,
 )
 
 
@@ -53,6 +56,7 @@ _LINE = re.compile(
 class Outcome:
     status: str  # "passed", "failed", "skipped"
     message: str = ""
+    seconds: float = 0.0  # on the rank, from its start to its end (from the rank's log)
 
 
 @dataclass
@@ -140,7 +144,9 @@ def _read_log(text: str) -> tuple[dict[tuple[str, str], Outcome], tuple[str, str
         else:
             status = line["status"]
             note = text[began : line.start()].strip() if status == "failed" else ""
-            outcomes[_test_key(line["end"])] = Outcome(status, f"(from the rank's log)\n{note}")
+            outcomes[_test_key(line["end"])] = Outcome(
+                status, f"(from the rank's log)\n{note}", float(line["seconds"])
+            )
             current = None
     return outcomes, current
 
@@ -167,7 +173,11 @@ class MPIRun:
             self.ran = [p for p in self.paths if p in selected] or list(self.paths)
             tag = "-".join(p.stem.removeprefix("test_") for p in self.ran)[:60]
             directory = Path(tempfile.mkdtemp(prefix=f"jaxddp-np{self.np}-{tag}-"))
+            # A hang is caught by ``quiet`` (no rank's log grew for that long: every test
+            # writes a line as it starts and ends); ``timeout`` is only the backstop, for a
+            # rank that keeps writing while the others hang: one limit per test.
             per_test = default_timeout()
+            tests = sum(len(_module_plan(p).names) for p in self.ran)
             self.result = launch(
                 [
                     "-m",
@@ -185,7 +195,7 @@ class MPIRun:
                 directory=directory,
                 cwd=self.rootdir,
                 env={**os.environ, **self.env} if self.env else None,
-                timeout=per_test * len(self.ran),
+                timeout=per_test * max(tests, 1),
                 quiet=per_test,
             )
             for log in sorted(directory.glob("rank-*.log")):
@@ -195,7 +205,10 @@ class MPIRun:
                 self.late.update(_test_key(where)[0] for where in _LATE_LINE.findall(text))
                 xml = log.with_suffix(".xml")
                 if xml.exists():
-                    outcomes.update(_read_junit(xml.read_text()))
+                    for key, outcome in _read_junit(xml.read_text()).items():
+                        if key in outcomes:
+                            outcome.seconds = outcomes[key].seconds
+                        outcomes[key] = outcome
                 if outcomes or xml.exists():
                     self.outcomes[rank] = outcomes
                 if current is not None:
@@ -352,6 +365,33 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
     return MPIModule.from_parent(parent, path=module_path)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """With ``--durations``: each MPI launch's time, and its slowest tests as the ranks timed
+    them (pytest's own durations see only the item that made the launch)."""
+    count = config.option.durations
+    runs = [r for r in config.stash.get(_RUNS, {}).values() if r.result is not None]
+    if count is None or not runs:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("MPI launches (one per world size, variant and group)")
+    tests = []
+    for run in runs:
+        env = ",".join(f"{k}={v}" for k, v in run.env.items())
+        names = " ".join(p.name for p in run.ran)
+        write(f"{run.result.elapsed:8.1f}s np={run.np} {env} {names}".rstrip())
+        slowest: dict[tuple[str, str], float] = {}
+        for outcomes in run.outcomes.values():
+            for key, o in outcomes.items():
+                slowest[key] = max(slowest.get(key, 0.0), o.seconds)
+        tests += [
+            (s, f"{m}::{t}[np={run.np}{'-' + env if env else ''}]") for (m, t), s in slowest.items()
+        ]
+    tests.sort(reverse=True)
+    write(f"slowest MPI tests, the slowest rank's time ({len(tests)} in all):")
+    for seconds, name in tests[: count or None]:
+        write(f"{seconds:8.2f}s {name}")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     sizes = os.environ.get(SIZES_VARIABLE, ",".join(map(str, DEFAULT_SIZES)))
     return (
@@ -399,14 +439,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_runtest_logstart(nodeid: str, location) -> None:
     if _on_rank():
+        _started[nodeid] = time.monotonic()
         sys.stderr.write(f"\n{_STARTS}{nodeid}\n")
         sys.stderr.flush()
 
 
 def pytest_runtest_logfinish(nodeid: str, location) -> None:
     if _on_rank():
-        sys.stderr.write(f"\n{_ENDS}{nodeid} {_status.pop(nodeid, 'passed')}\n")
+        seconds = time.monotonic() - _started.pop(nodeid, time.monotonic())
+        status = _status.pop(nodeid, "passed")
+        sys.stderr.write(f"\n{_ENDS}{nodeid} {status} {seconds:.2f} s\n")
         sys.stderr.flush()
+
+
+_started: dict[str, float] = {}  # nodeid -> when it started
 
 
 _status: dict[str, str] = {}  # nodeid -> the worst outcome of its phases so far
