@@ -17,6 +17,8 @@ import pytest
 
 from tests.harness import launch
 
+pytestmark = pytest.mark.slow  # real launches, some waiting for the watchdog on purpose
+
 SCRIPTS = Path(__file__).with_name("scripts")
 ROOT = Path(__file__).parents[1]
 

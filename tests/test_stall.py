@@ -19,6 +19,8 @@ import pytest
 
 from tests.harness import launch
 
+pytestmark = pytest.mark.slow  # real launches that wait through stall timers
+
 SCRIPTS = Path(__file__).with_name("scripts")
 STALL = SCRIPTS / "stall.py"
 WARN, ABORT = 2, 6
