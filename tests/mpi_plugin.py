@@ -377,12 +377,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     tests = []
     for run in runs:
         env = ",".join(f"{k}={v}" for k, v in run.env.items())
-        names = " ".join(p.name for p in run.ran)
-        write(f"{run.result.elapsed:8.1f}s np={run.np} {env} {names}".rstrip())
+        write(f"{run.result.elapsed:8.1f}s np={run.np} {env}".rstrip())
         slowest: dict[tuple[str, str], float] = {}
         for outcomes in run.outcomes.values():
             for key, o in outcomes.items():
                 slowest[key] = max(slowest.get(key, 0.0), o.seconds)
+        for path in run.ran:  # each module's tests, the slowest rank's time of each
+            mine = [s for (m, _), s in slowest.items() if m == path.name]
+            write(f"{sum(mine):14.1f}s {path.name} ({len(mine)} tests)")
         tests += [
             (s, f"{m}::{t}[np={run.np}{'-' + env if env else ''}]") for (m, t), s in slowest.items()
         ]
