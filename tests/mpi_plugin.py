@@ -2,20 +2,31 @@
 
 A plain ``pytest`` collects, for each such file and each world size it asks for
 (``MPI_SIZES = (2, 4)`` at module level, the default), one item ``[np=N]`` for the launch
-itself and one item per test function, ``test_name[np=N]``. The first item of a group
-launches the whole file once: every rank runs pytest on it and writes its own JUnit XML.
-A test passes only when every rank's own pytest says it passed; a skip counts only when
-every rank skipped it. A hang is caught by the harness's watchdog and reported with every
-rank's stack as "deadlock suspected".
+itself and one item per test function, ``test_name[np=N]``. The modules that share a world
+size (and an environment variant, and a ``MPI_GROUP``) share one launch, made by the first
+of their items to run: every rank runs pytest on all of them and writes its own JUnit XML,
+and logs a line as each test starts and ends. A test passes only when every rank's own
+pytest says it passed; a skip counts only when every rank skipped it. A hang is caught by the
+harness's watchdog (no rank's log grew for ``JAXDDP_TEST_TIMEOUT`` seconds, 120 by default)
+and reported with every rank's stack as "deadlock suspected", naming the test each rank was
+in; the modules of the launch that had finished on every rank before it keep their results.
+
+``MPI_GROUP = "name"`` at module level gives a module (with the others of that name) a
+launch of its own: for tests that hold gigabytes per rank.
+
+The items of the main launch at 2 ranks are the fast lane's (``pytest -m "not slow"``); those
+of every other launch (3 or 4 ranks, a variant, a group) are marked ``slow``.
 """
 
 from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,41 +34,64 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import RANK_RUN_VARIABLE, LaunchResult, launch
+from tests.harness import RANK_RUN_VARIABLE, LaunchResult, default_timeout, launch
 
 DEFAULT_SIZES = (2, 4)
+# The launch the fast lane (``-m "not slow"``) keeps: 2 ranks, no variant, no MPI_GROUP.
+# Every other launch's items carry the ``slow`` marker.
+FAST_SIZE = 2
 SIZES_VARIABLE = "JAXDDP_TEST_NP"  # e.g. "2" or "2,4": restricts the world sizes run
+# What each rank writes to its log as a test starts and ends (see pytest_runtest_logstart).
+_STARTS, _ENDS = "jaxddp test harness: start ", "jaxddp test harness: end "
+_LATE = "jaxddp test harness: failed late: "  # see pytest_sessionfinish
+_LATE_LINE = re.compile(f"^{_LATE}(.+)$", re.MULTILINE)
+_LINE = re.compile(
+    r"^jaxddp test harness: (?:start (?P<start>.+)|end (?P<end>.+) (?P<status>\w+) "
+    r"(?P<seconds>[\d.]+) s)$",
+    re.MULTILINE,
+)
 
 
 @dataclass
 class Outcome:
     status: str  # "passed", "failed", "skipped"
     message: str = ""
+    seconds: float = 0.0  # on the rank, from its start to its end (from the rank's log)
 
 
-def _module_plan(path: Path) -> tuple[tuple[int, ...], list[str], dict[str, dict[str, str]]]:
-    """World sizes, test names and environment variants of a module, read without
-    importing it. ``MPI_VARIANTS = {"name": {"VARIABLE": "value"}}`` launches the module
-    once more per variant, with those variables set."""
+@dataclass
+class Plan:
+    sizes: tuple[int, ...]
+    names: list[str]
+    variants: dict[str, dict[str, str]]
+    group: str = ""
+
+
+def _module_plan(path: Path) -> Plan:
+    """World sizes, test names, environment variants and launch group of a module, read
+    without importing it. ``MPI_VARIANTS = {"name": {"VARIABLE": "value"}}`` launches the
+    module once more per variant, with those variables set."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    sizes: tuple[int, ...] = DEFAULT_SIZES
-    names: list[str] = []
-    variants: dict[str, dict[str, str]] = {"": {}}
+    plan = Plan(DEFAULT_SIZES, [], {"": {}})
+
+    def assigns(node: ast.stmt, name: str) -> bool:
+        return isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == name for t in node.targets
+        )
+
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "MPI_SIZES" for t in node.targets
-        ):
-            sizes = tuple(ast.literal_eval(node.value))
-        elif isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "MPI_VARIANTS" for t in node.targets
-        ):
-            variants.update(ast.literal_eval(node.value))
+        if assigns(node, "MPI_SIZES"):
+            plan.sizes = tuple(ast.literal_eval(node.value))  # type: ignore[attr-defined]
+        elif assigns(node, "MPI_VARIANTS"):
+            plan.variants.update(ast.literal_eval(node.value))  # type: ignore[attr-defined]
+        elif assigns(node, "MPI_GROUP"):
+            plan.group = str(ast.literal_eval(node.value))  # type: ignore[attr-defined]
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith(
             "test"
         ):
-            names.append(node.name)
+            plan.names.append(node.name)
         elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
-            names.extend(
+            plan.names.extend(
                 f"{node.name}::{f.name}"
                 for f in node.body
                 if isinstance(f, ast.FunctionDef) and f.name.startswith("test")
@@ -65,18 +99,26 @@ def _module_plan(path: Path) -> tuple[tuple[int, ...], list[str], dict[str, dict
     wanted = os.environ.get(SIZES_VARIABLE)
     if wanted:
         allowed = {int(s) for s in wanted.split(",")}
-        sizes = tuple(s for s in sizes if s in allowed)
-    return sizes, names, variants
+        plan.sizes = tuple(s for s in plan.sizes if s in allowed)
+    return plan
 
 
-def _read_junit(text: str) -> dict[str, Outcome]:
-    """test id (``Class::name[param]`` or ``name[param]``) -> outcome, from one rank's XML."""
-    outcomes: dict[str, Outcome] = {}
+def _test_key(nodeid: str) -> tuple[str, str]:
+    """(module file name, test id as ``Class::name[param]`` or ``name[param]``)."""
+    path, _, test = nodeid.partition("::")
+    return Path(path).name, test
+
+
+def _read_junit(text: str) -> dict[tuple[str, str], Outcome]:
+    """(module file name, test id) -> outcome, from one rank's XML."""
+    outcomes: dict[tuple[str, str], Outcome] = {}
     for case in ET.fromstring(text).iter("testcase"):
-        classname = case.get("classname", "")
+        parts = case.get("classname", "").split(".")
         name = case.get("name", "")
-        cls = classname.rsplit(".", 1)[-1]
-        key = f"{cls}::{name}" if cls.startswith("Test") else name
+        if parts[-1].startswith("Test"):
+            key = (f"{parts[-2]}.py", f"{parts[-1]}::{name}")
+        else:
+            key = (f"{parts[-1]}.py", name)
         failure = case.find("failure")
         if failure is None:
             failure = case.find("error")
@@ -90,60 +132,133 @@ def _read_junit(text: str) -> dict[str, Outcome]:
     return outcomes
 
 
+def _read_log(text: str) -> tuple[dict[tuple[str, str], Outcome], tuple[str, str] | None]:
+    """From a rank's log (for a rank killed before it wrote its XML): the outcome of every
+    test it finished, with what the rank wrote during a failed one, and the test it was in
+    when it stopped, if any."""
+    outcomes: dict[tuple[str, str], Outcome] = {}
+    current, began = None, 0
+    for line in _LINE.finditer(text):
+        if line["start"]:
+            current, began = _test_key(line["start"]), line.end()
+        else:
+            status = line["status"]
+            note = text[began : line.start()].strip() if status == "failed" else ""
+            outcomes[_test_key(line["end"])] = Outcome(
+                status, f"(from the rank's log)\n{note}", float(line["seconds"])
+            )
+            current = None
+    return outcomes, current
+
+
 class MPIRun:
-    """One launch of one test module at one world size; runs at most once."""
+    """One launch, at one world size and environment, of every module that shares it;
+    runs at most once."""
 
-    def __init__(self, path: Path, np: int, env: dict[str, str] | None = None) -> None:
-        self.path, self.np, self.env = path, np, env or {}
+    def __init__(self, np: int, env: dict[str, str], rootdir: Path) -> None:
+        self.np, self.env, self.rootdir = np, env, rootdir
+        self.paths: list[Path] = []  # every module collected into this launch
+        self.ran: list[Path] = []  # the modules it launched
         self.result: LaunchResult | None = None
-        self.outcomes: dict[str, dict[str, Outcome]] = {}  # rank -> test id -> outcome
+        self.outcomes: dict[str, dict[tuple[str, str], Outcome]] = {}  # rank -> key -> outcome
+        self.stopped_in: dict[str, tuple[str, str]] = {}  # rank -> test it was in at the end
+        self.late: set[str] = set()  # modules blamed for a late exception (see _LATE)
 
-    def run(self) -> LaunchResult:
+    def run(self, session: pytest.Session) -> LaunchResult:
         if self.result is None:
-            directory = Path(tempfile.mkdtemp(prefix=f"jaxddp-{self.path.stem}-np{self.np}-"))
+            # Only the modules that still have a selected item (-k, -m, node ids).
+            selected = {
+                item.path for item in session.items if getattr(item, "mpi_run", None) is self
+            }
+            self.ran = [p for p in self.paths if p in selected] or list(self.paths)
+            tag = "-".join(p.stem.removeprefix("test_") for p in self.ran)[:60]
+            directory = Path(tempfile.mkdtemp(prefix=f"jaxddp-np{self.np}-{tag}-"))
+            # A hang is caught by ``quiet`` (no rank's log grew for that long: every test
+            # writes a line as it starts and ends); ``timeout`` is only the backstop, for a
+            # rank that keeps writing while the others hang: one limit per test.
+            per_test = default_timeout()
+            tests = sum(len(_module_plan(p).names) for p in self.ran)
             self.result = launch(
                 [
                     "-m",
                     "pytest",
-                    str(self.path),
+                    *map(str, self.ran),
                     "-p",
                     "no:cacheprovider",
                     "-q",
                     f"--junitxml={directory}/rank-{{rank}}.xml",
                     "-o",
                     "junit_family=xunit2",
-                    f"--rootdir={self.path.parents[2]}",
+                    f"--rootdir={self.rootdir}",
                 ],
                 self.np,
                 directory=directory,
-                cwd=self.path.parents[2],
+                cwd=self.rootdir,
                 env={**os.environ, **self.env} if self.env else None,
+                timeout=per_test * max(tests, 1),
+                quiet=per_test,
             )
-            for xml in sorted(directory.glob("rank-*.xml")):
-                rank = xml.stem[len("rank-") :]
-                self.outcomes[rank] = _read_junit(xml.read_text())
+            for log in sorted(directory.glob("rank-*.log")):
+                rank = log.stem[len("rank-") :]
+                text = log.read_text(errors="replace")
+                outcomes, current = _read_log(text)
+                self.late.update(_test_key(where)[0] for where in _LATE_LINE.findall(text))
+                xml = log.with_suffix(".xml")
+                if xml.exists():
+                    for key, outcome in _read_junit(xml.read_text()).items():
+                        if key in outcomes:
+                            outcome.seconds = outcomes[key].seconds
+                        outcomes[key] = outcome
+                if outcomes or xml.exists():
+                    self.outcomes[rank] = outcomes
+                if current is not None:
+                    self.stopped_in[rank] = current
             shutil.rmtree(directory, ignore_errors=True)
         return self.result
 
+    def module_outcomes(self, module: str) -> dict[str, dict[str, Outcome]]:
+        """rank -> test id -> outcome, for the tests of one module."""
+        return {
+            rank: {test: o for (m, test), o in outcomes.items() if m == module}
+            for rank, outcomes in self.outcomes.items()
+        }
+
+    def stopped_in_text(self) -> str:
+        if not self.stopped_in:
+            return ""
+        where = ", ".join(f"rank {r} in {m}::{t}" for r, (m, t) in sorted(self.stopped_in.items()))
+        return f"the launch stopped with {where}\n"
+
 
 class MPILaunchItem(pytest.Item):
-    """The launch itself: it fails on a hang, a crash, or a rank that ran nothing."""
+    """The launch, as seen by one module: it fails on a hang or crash inside this module or
+    before its tests all ran, on an exception in a thread or finalizer during one of its
+    tests, on a failed launch that no test can be blamed for, or when the ranks ran
+    different sets of its tests."""
 
-    def __init__(self, *, mpi_run: MPIRun, **kwargs) -> None:
+    def __init__(self, *, mpi_run: MPIRun, names: list[str], **kwargs) -> None:
         super().__init__(**kwargs)
         self.mpi_run = mpi_run
+        self.names = names
 
     def runtest(self) -> None:
-        result = self.mpi_run.run()
-        missing = self.mpi_run.np - len(self.mpi_run.outcomes)
-        if result.timed_out or missing:
-            raise MPIFailure(result.report())
-        failures = any(
-            o.status == "failed" for r in self.mpi_run.outcomes.values() for o in r.values()
-        )
-        if result.returncode != 0 and not failures:
-            raise MPIFailure(result.report())
-        names = {frozenset(r) for r in self.mpi_run.outcomes.values()}
+        run = self.mpi_run
+        result = run.run(self.session)
+        module = self.path.name
+        mine = run.module_outcomes(module)
+        if not result.ok or len(run.outcomes) < run.np:
+            incomplete = len(mine) < run.np or not all(
+                any(key == n or key.startswith(n + "[") for key in outcomes)
+                for outcomes in mine.values()
+                for n in self.names
+            )
+            stopped_here = any(m == module for m, _ in run.stopped_in.values())
+            if incomplete or stopped_here or module in run.late:
+                raise MPIFailure(run.stopped_in_text() + result.report())
+            failures = any(o.status == "failed" for r in run.outcomes.values() for o in r.values())
+            if not (run.stopped_in or run.late or failures):  # no test to blame
+                raise MPIFailure(result.report())
+        names = {frozenset(r) for r in mine.values()}
         if len(names) != 1:
             raise MPIFailure("ranks ran different sets of tests:\n" + result.report())
 
@@ -153,7 +268,7 @@ class MPILaunchItem(pytest.Item):
         return super().repr_failure(excinfo, style)
 
     def reportinfo(self):
-        return self.path, None, f"{self.name} ({self.mpi_run.path.name})"
+        return self.path, None, f"{self.name} ({self.path.name})"
 
 
 class MPITestItem(MPILaunchItem):
@@ -164,18 +279,21 @@ class MPITestItem(MPILaunchItem):
         self.test_id = test_id
 
     def runtest(self) -> None:
-        result = self.mpi_run.run()
+        run = self.mpi_run
+        result = run.run(self.session)
         per_rank: dict[str, list[tuple[str, Outcome]]] = {}
-        for rank, outcomes in self.mpi_run.outcomes.items():
+        for rank, outcomes in run.module_outcomes(self.path.name).items():
             per_rank[rank] = [
                 (key, o)
                 for key, o in outcomes.items()
                 if key == self.test_id or key.startswith(self.test_id + "[")
             ]
-        if len(per_rank) < self.mpi_run.np or not all(per_rank.values()):
+        if len(per_rank) < run.np or not all(per_rank.values()):
             raise MPIFailure(
                 f"{self.test_id}: no result from every rank "
-                f"({len(per_rank)} of {self.mpi_run.np} ranks reported it)\n" + result.report()
+                f"({sum(map(bool, per_rank.values()))} of {run.np} ranks reported it)\n"
+                + run.stopped_in_text()
+                + result.report()
             )
         failed = [
             f"----- rank {rank}: {key} -----\n{o.message}"
@@ -203,18 +321,42 @@ class MPIFailure(Exception):
     """A failure whose report is already complete text."""
 
 
+_RUNS = pytest.StashKey[dict[tuple, MPIRun]]()
+
+
 class MPIModule(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
-        sizes, names, variants = _module_plan(self.path)
-        for np in sizes:
-            for variant, env in variants.items():
-                mpi_run = MPIRun(self.path, np, env)
+        plan = _module_plan(self.path)
+        runs = self.config.stash.setdefault(_RUNS, {})
+        rootdir = self.path.parents[2]
+        for np in plan.sizes:
+            for variant, env in plan.variants.items():
+                key = (np, plan.group, tuple(sorted(env.items())), rootdir)
+                mpi_run = runs.get(key)
+                if mpi_run is None:
+                    mpi_run = runs[key] = MPIRun(np, env, rootdir)
+                if self.path not in mpi_run.paths:
+                    mpi_run.paths.append(self.path)
                 tag = f"np={np}" + (f"-{variant}" if variant else "")
-                yield MPILaunchItem.from_parent(self, name=f"[{tag}]", mpi_run=mpi_run)
-                for name in names:
-                    yield MPITestItem.from_parent(
-                        self, name=f"{name}[{tag}]", mpi_run=mpi_run, test_id=name
-                    )
+                items = [
+                    MPILaunchItem.from_parent(
+                        self, name=f"[{tag}]", mpi_run=mpi_run, names=plan.names
+                    ),
+                    *(
+                        MPITestItem.from_parent(
+                            self,
+                            name=f"{name}[{tag}]",
+                            mpi_run=mpi_run,
+                            names=plan.names,
+                            test_id=name,
+                        )
+                        for name in plan.names
+                    ),
+                ]
+                for item in items:
+                    if np != FAST_SIZE or variant or plan.group:
+                        item.add_marker(pytest.mark.slow)
+                    yield item
 
 
 def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
@@ -223,9 +365,41 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
     return MPIModule.from_parent(parent, path=module_path)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """With ``--durations``: each MPI launch's time, and its slowest tests as the ranks timed
+    them (pytest's own durations see only the item that made the launch)."""
+    count = config.option.durations
+    runs = [r for r in config.stash.get(_RUNS, {}).values() if r.result is not None]
+    if count is None or not runs:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("MPI launches (one per world size, variant and group)")
+    tests = []
+    for run in runs:
+        env = ",".join(f"{k}={v}" for k, v in run.env.items())
+        write(f"{run.result.elapsed:8.1f}s np={run.np} {env}".rstrip())
+        slowest: dict[tuple[str, str], float] = {}
+        for outcomes in run.outcomes.values():
+            for key, o in outcomes.items():
+                slowest[key] = max(slowest.get(key, 0.0), o.seconds)
+        for path in run.ran:  # each module's tests, the slowest rank's time of each
+            mine = [s for (m, _), s in slowest.items() if m == path.name]
+            write(f"{sum(mine):14.1f}s {path.name} ({len(mine)} tests)")
+        tests += [
+            (s, f"{m}::{t}[np={run.np}{'-' + env if env else ''}]") for (m, t), s in slowest.items()
+        ]
+    tests.sort(reverse=True)
+    write(f"slowest MPI tests, the slowest rank's time ({len(tests)} in all):")
+    for seconds, name in tests[: count or None]:
+        write(f"{seconds:8.2f}s {name}")
+
+
 def pytest_report_header(config: pytest.Config) -> str:
     sizes = os.environ.get(SIZES_VARIABLE, ",".join(map(str, DEFAULT_SIZES)))
-    return f"jaxddp MPI harness: tests/mpi/* run as real ranks, world sizes {sizes}"
+    return (
+        f"jaxddp MPI harness: tests/mpi/* run as real ranks, world sizes {sizes}, "
+        "one launch per world size"
+    )
 
 
 # -- on the ranks: a failure on one rank must not become a silent hang ---------------------
@@ -244,7 +418,7 @@ def pytest_report_header(config: pytest.Config) -> str:
 #   only written to the log.
 
 _LATE_WARNINGS = ("PytestUnraisableExceptionWarning", "PytestUnhandledThreadExceptionWarning")
-_late: list[str] = []
+_late: list[tuple[str, str]] = []  # (node id or phase, the exception's text)
 
 
 def _on_rank() -> bool:
@@ -265,7 +439,30 @@ def pytest_configure(config: pytest.Config) -> None:
             config.addinivalue_line("filterwarnings", f"always::pytest.{name}")
 
 
+def pytest_runtest_logstart(nodeid: str, location) -> None:
+    if _on_rank():
+        _started[nodeid] = time.monotonic()
+        sys.stderr.write(f"\n{_STARTS}{nodeid}\n")
+        sys.stderr.flush()
+
+
+def pytest_runtest_logfinish(nodeid: str, location) -> None:
+    if _on_rank():
+        seconds = time.monotonic() - _started.pop(nodeid, time.monotonic())
+        status = _status.pop(nodeid, "passed")
+        sys.stderr.write(f"\n{_ENDS}{nodeid} {status} {seconds:.2f} s\n")
+        sys.stderr.flush()
+
+
+_started: dict[str, float] = {}  # nodeid -> when it started
+
+
+_status: dict[str, str] = {}  # nodeid -> the worst outcome of its phases so far
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _on_rank() and report.outcome != "passed" and _status.get(report.nodeid) != "failed":
+        _status[report.nodeid] = report.outcome
     if report.failed and _on_rank():
         sys.stderr.write(
             f"\njaxddp test harness: {report.nodeid} failed in {report.when} on this rank:\n"
@@ -276,7 +473,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 def pytest_warning_recorded(warning_message, when, nodeid, location) -> None:
     if type(warning_message.message).__name__ in _LATE_WARNINGS:
-        _late.append(f"{nodeid or when}: {warning_message.message}")
+        _late.append((nodeid or when, str(warning_message.message)))
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -284,8 +481,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     sys.stderr.write(
         "\njaxddp test harness: exceptions in threads or finalizers on this rank (reported "
-        "here, at the end, so that no other rank waits for this one):\n" + "\n".join(_late) + "\n"
+        "here, at the end, so that no other rank waits for this one):\n"
+        + "\n".join(f"{where}: {text}" for where, text in _late)
+        + "\n"
     )
+    ours = [where for where, text in _late if _through(text, session.config.rootpath)]
+    for where in ours:  # the launcher's side blames the module of each
+        sys.stderr.write(f"{_LATE}{where}\n")
     sys.stderr.flush()
-    if any(_through(text, session.config.rootpath) for text in _late):
+    if ours:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

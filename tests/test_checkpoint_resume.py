@@ -2,12 +2,15 @@
 the same and on another number of ranks, and a kill during a save loses nothing saved."""
 
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.harness import launch
+
+pytestmark = pytest.mark.slow  # real training jobs, killed and resumed
 
 SCRIPT = str(Path(__file__).with_name("scripts") / "checkpointed_training.py")
 STEPS = 39  # 3 epochs of ceil(203 / 16) steps
@@ -33,6 +36,27 @@ def uninterrupted(tmp_path_factory):
     return _params(out)
 
 
+@pytest.fixture(scope="module")
+def killed_after_second_save(tmp_path_factory):
+    """first -> the checkpoint folder of a job on ``first`` ranks killed after its second save;
+    each is run (and checked) once, and shared by the cases that start on that many ranks."""
+    folders: dict[int, Path] = {}
+
+    def get(first: int) -> Path:
+        if first not in folders:
+            tmp = tmp_path_factory.mktemp(f"killed-on-{first}")
+            killed, out = _run(tmp, "killed", first, "--kill-after-save", "2")
+            assert not killed.timed_out, killed.report()
+            assert killed.returncode != 0
+            assert "killing rank 0 after save 10" in killed.rank_logs["0"]
+            assert not out.exists()
+            assert sorted(os.listdir(tmp / "ckpt")) == ["10", "5"]
+            folders[first] = tmp / "ckpt"
+        return folders[first]
+
+    return get
+
+
 def _assert_close(got, expected):
     assert got.keys() == expected.keys()
     for k in expected:
@@ -41,14 +65,9 @@ def _assert_close(got, expected):
 
 @pytest.mark.parametrize(("first", "then"), [(2, 2), (2, 4), (4, 2)], ids=["2-2", "2-4", "4-2"])
 def test_killed_after_its_second_save_and_resumed_ends_as_the_uninterrupted_run(
-    tmp_path, uninterrupted, first, then
+    tmp_path, uninterrupted, killed_after_second_save, first, then
 ):
-    killed, out = _run(tmp_path, "killed", first, "--kill-after-save", "2")
-    assert not killed.timed_out, killed.report()
-    assert killed.returncode != 0
-    assert "killing rank 0 after save 10" in killed.rank_logs["0"]
-    assert not out.exists()
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["10", "5"]
+    shutil.copytree(killed_after_second_save(first), tmp_path / "ckpt")
     resumed, out = _run(tmp_path, "resumed", then, "--resume")
     assert resumed.ok, resumed.report()
     assert f"resumed from step 10 on {then} ranks" in resumed.rank_logs["0"]

@@ -13,7 +13,7 @@ from tests.harness import launch
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = "8"
+EPOCHS = "4"  # 94% on 1 and on 2 ranks (90% needed); 8 epochs took twice as long
 
 
 def _accuracy(text: str) -> float:

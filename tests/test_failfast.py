@@ -3,7 +3,11 @@
 import os
 from pathlib import Path
 
+import pytest
+
 from tests.harness import launch
+
+pytestmark = pytest.mark.slow  # real launches, one waiting for the watchdog on purpose
 
 SCRIPTS = Path(__file__).with_name("scripts")
 

@@ -1,11 +1,23 @@
 """The MPI test harness is itself tested: a hang becomes a failure with stacks, a bad exit
-code is reported, and the plugin judges each test by every rank's own result."""
+code is reported, and the plugin judges each test by every rank's own result.
+
+The plugin's tests run small tests/mpi modules through a pytest of their own, in a
+subprocess; the modules of one scenario share that run, and (at one world size) one launch,
+as the suite's own do.
+"""
 
 import os
+import subprocess
+import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 from tests.harness import launch
+
+pytestmark = pytest.mark.slow  # real launches, some waiting for the watchdog on purpose
 
 SCRIPTS = Path(__file__).with_name("scripts")
 ROOT = Path(__file__).parents[1]
@@ -43,34 +55,123 @@ def test_a_clean_launch_is_ok():
     assert result.rank_exits == {"0": 0, "1": 0}
 
 
-def test_plugin_judges_every_test_by_every_rank(pytester):
-    """A module with a passing test, one failing on rank 1 only, one skipped on rank 0 only."""
-    result = _run_module(
-        pytester,
-        "test_judged.py",
-        """
-        import pytest
-        import jaxddp
+@dataclass
+class Suite:
+    out: pytest.LineMatcher  # what that pytest printed
+    returncode: int
+    directory: Path  # where its ranks ran
 
-        MPI_SIZES = (2,)
-        rank = jaxddp.rank()
 
-        def test_passes_everywhere():
-            assert jaxddp.world_size() == 2
-
-        def test_fails_on_rank_1():
-            assert rank != 1, "rank 1 disagrees"
-
-        def test_skipped_on_rank_0_only():
-            if rank == 0:
-                pytest.skip("only here")
-
-        @pytest.mark.skip(reason="everywhere")
-        def test_skipped_everywhere():
-            pass
-        """,
+def _run_modules(directory: Path, sources: dict[str, str], **env: str) -> Suite:
+    """Runs modules as DIRECTORY/suite/mpi/NAME (name -> source) through the project's
+    plugin in a pytest of their own, with the variables ``env`` set. The ranks run in
+    DIRECTORY."""
+    (directory / "conftest.py").write_text("from tests.conftest import *  # noqa: F403\n")
+    (directory / "tox.ini").write_text(  # as the project's: every warning is an error
+        "[pytest]\nfilterwarnings =\n    error\n    ignore::DeprecationWarning:jax.*\n"
     )
-    result.stdout.fnmatch_lines(
+    mpi = directory / "suite" / "mpi"
+    mpi.mkdir(parents=True)
+    for name, source in sources.items():
+        (mpi / name).write_text(textwrap.dedent(source))
+    full = {k: v for k, v in os.environ.items() if k != "JAXDDP_TEST_NP"}
+    full["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    full.update(env)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "suite/mpi"],
+        cwd=directory,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = pytest.LineMatcher((done.stdout + done.stderr).splitlines())
+    return Suite(out, done.returncode, directory)
+
+
+JUDGED = """
+    import pytest
+    import jaxddp
+
+    MPI_SIZES = (2,)
+    rank = jaxddp.rank()
+
+    def test_passes_everywhere():
+        assert jaxddp.world_size() == 2
+
+    def test_fails_on_rank_1():
+        assert rank != 1, "rank 1 disagrees"
+
+    def test_skipped_on_rank_0_only():
+        if rank == 0:
+            pytest.skip("only here")
+
+    @pytest.mark.skip(reason="everywhere")
+    def test_skipped_everywhere():
+        pass
+    """
+
+# pytest reports a thread's exception as an error of whichever phase notices it, on that rank
+# alone: here the setup of a test whose body holds a collective, which the other rank would
+# then wait in forever. The harness reports it at the end instead.
+THREAD = """
+    import threading
+    import pytest
+    from mpi4py import MPI
+    import jaxddp
+
+    MPI_SIZES = (2,)
+    rank = jaxddp.rank()
+
+    def fail():
+        raise ZeroDivisionError("a thread on rank 1 failed")
+
+    @pytest.fixture
+    def thread_failing_on_rank_1():
+        if rank == 1:
+            t = threading.Thread(target=fail)
+            t.start()
+            t.join()
+
+    def test_a_collective_after_a_failed_thread(thread_failing_on_rank_1):
+        assert MPI.COMM_WORLD.allreduce(rank) == 1
+
+    def test_the_next_collective():
+        assert MPI.COMM_WORLD.allreduce(1) == 2
+    """
+
+# As from a third-party finalizer the garbage collector runs at a random moment: the thread's
+# frames are all in the standard library.
+ELSEWHERE = """
+    import threading
+    from mpi4py import MPI
+    import jaxddp
+
+    MPI_SIZES = (2,)
+
+    def test_a_thread_fails_in_the_standard_library_on_rank_1():
+        if jaxddp.rank() == 1:
+            t = threading.Thread(target=int, args=("not a number",))
+            t.start()
+            t.join()
+        assert MPI.COMM_WORLD.allreduce(1) == 2
+    """
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory) -> Suite:
+    """The three modules above, in one launch at 2 ranks."""
+    return _run_modules(
+        tmp_path_factory.mktemp("judged"),
+        {"test_judged.py": JUDGED, "test_thread.py": THREAD, "test_elsewhere.py": ELSEWHERE},
+        JAXDDP_TEST_TIMEOUT="30",
+    )
+
+
+def test_plugin_judges_every_test_by_every_rank(judged):
+    """A module with a passing test, one failing on rank 1 only, one skipped on rank 0 only."""
+    judged.out.fnmatch_lines(
         [
             "*test_judged.py::[[]np=2[]] PASSED*",
             "*test_passes_everywhere[[]np=2[]] PASSED*",
@@ -79,128 +180,104 @@ def test_plugin_judges_every_test_by_every_rank(pytester):
             "*test_skipped_everywhere[[]np=2[]] SKIPPED*",
         ]
     )
-    result.stdout.fnmatch_lines(["*rank 1 disagrees*"])
-    result.stdout.fnmatch_lines(["*skipped on some ranks only*"])
-    assert result.ret != 0
+    judged.out.fnmatch_lines(["*rank 1 disagrees*"])
+    judged.out.fnmatch_lines(["*skipped on some ranks only*"])
+    assert judged.returncode != 0
 
 
-def _run_module(pytester, name: str, source: str, **env: str):
-    """Runs one module as tests/mpi/NAME through the project's plugin, with the variables
-    ``env`` set; returns pytester's result."""
-    pytester.makeconftest("from tests.conftest import *  # noqa: F403\n")
-    pytester.makeini(  # as the project's: every warning is an error
-        "[pytest]\nfilterwarnings =\n    error\n    ignore::DeprecationWarning:jax.*\n"
-    )
-    mpi = pytester.path / "suite" / "mpi"
-    mpi.mkdir(parents=True)
-    (mpi / name).write_text(textwrap.dedent(source))
-    env_path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    pytester._monkeypatch.setenv("PYTHONPATH", env_path)
-    pytester._monkeypatch.delenv("JAXDDP_TEST_NP", raising=False)
-    for variable, value in env.items():
-        pytester._monkeypatch.setenv(variable, value)
-    return pytester.runpytest_subprocess("-v", "-p", "no:cacheprovider", "suite/mpi")
-
-
-def test_an_exception_in_a_thread_on_one_rank_fails_the_launch_without_a_hang(pytester):
-    """pytest reports a thread's exception as an error of whichever phase notices it, on
-    that rank alone: here the setup of a test whose body holds a collective, which the
-    other rank would then wait in forever. The harness reports it at the end instead."""
-    result = _run_module(
-        pytester,
-        "test_thread.py",
-        """
-        import threading
-        import pytest
-        from mpi4py import MPI
-        import jaxddp
-
-        MPI_SIZES = (2,)
-        rank = jaxddp.rank()
-
-        def fail():
-            raise ZeroDivisionError("a thread on rank 1 failed")
-
-        @pytest.fixture
-        def thread_failing_on_rank_1():
-            if rank == 1:
-                t = threading.Thread(target=fail)
-                t.start()
-                t.join()
-
-        def test_a_collective_after_a_failed_thread(thread_failing_on_rank_1):
-            assert MPI.COMM_WORLD.allreduce(rank) == 1
-
-        def test_the_next_collective():
-            assert MPI.COMM_WORLD.allreduce(1) == 2
-        """,
-        JAXDDP_TEST_TIMEOUT="30",
-    )
-    result.stdout.fnmatch_lines(
+def test_an_exception_in_a_thread_on_one_rank_fails_the_launch_without_a_hang(judged):
+    """Blamed on its own module's launch item, although other modules of the launch failed."""
+    judged.out.fnmatch_lines(
         [
             "*test_thread.py::[[]np=2[]] FAILED*",
             "*test_a_collective_after_a_failed_thread[[]np=2[]] PASSED*",
             "*test_the_next_collective[[]np=2[]] PASSED*",
         ]
     )
-    result.stdout.fnmatch_lines(["*exceptions in threads or finalizers on this rank*"])
-    result.stdout.fnmatch_lines(["*a thread on rank 1 failed*"])
-    assert "deadlock suspected" not in result.stdout.str()
+    judged.out.fnmatch_lines(["*exceptions in threads or finalizers on this rank*"])
+    judged.out.fnmatch_lines(["*a thread on rank 1 failed*"])
+    assert "deadlock suspected" not in judged.out.str()
 
 
-def test_an_exception_raised_outside_our_code_in_a_thread_is_only_logged(pytester):
-    """As from a third-party finalizer the garbage collector runs at a random moment: the
-    thread's frames are all in the standard library."""
-    result = _run_module(
-        pytester,
-        "test_elsewhere.py",
-        """
-        import threading
-        from mpi4py import MPI
-        import jaxddp
-
-        MPI_SIZES = (2,)
-
-        def test_a_thread_fails_in_the_standard_library_on_rank_1():
-            if jaxddp.rank() == 1:
-                t = threading.Thread(target=int, args=("not a number",))
-                t.start()
-                t.join()
-            assert MPI.COMM_WORLD.allreduce(1) == 2
-        """,
-        JAXDDP_TEST_TIMEOUT="30",
-    )
-    result.stdout.fnmatch_lines(
+def test_an_exception_raised_outside_our_code_in_a_thread_is_only_logged(judged):
+    judged.out.fnmatch_lines(
         [
             "*test_elsewhere.py::[[]np=2[]] PASSED*",
             "*test_a_thread_fails_in_the_standard_library_on_rank_1[[]np=2[]] PASSED*",
         ]
     )
-    assert result.ret == 0
 
 
-def test_a_hang_after_a_failure_on_one_rank_shows_that_failure(pytester):
-    result = _run_module(
-        pytester,
-        "test_left.py",
-        """
-        from mpi4py import MPI
-        import jaxddp
+PIDS = """
+    import os
+    from mpi4py import MPI
+    import jaxddp
 
-        MPI_SIZES = (2,)
+    MPI_SIZES = (2,)
 
-        def test_rank_1_fails_before_a_collective():
-            assert jaxddp.rank() != 1, "rank 1 left before the barrier"
-            MPI.COMM_WORLD.Barrier()
+    def test_one_launch_for_all():
+        pids = MPI.COMM_WORLD.allgather(os.getpid())
+        if jaxddp.rank() == 0:  # the ranks run in the suite's folder
+            with open("pids.txt", "a") as f:
+                f.write(" ".join(map(str, pids)) + "\\n")
+    """
 
-        def test_rank_1_is_elsewhere():
-            MPI.COMM_WORLD.bcast(None)
-        """,
-        JAXDDP_TEST_TIMEOUT="20",
-        JAXDDP_STALL_WARN="0",
+LEFT = """
+    def test_rank_1_fails_before_a_collective():
+        assert jaxddp.rank() != 1, "rank 1 left before the barrier"
+        MPI.COMM_WORLD.Barrier()
+
+    def test_rank_1_is_elsewhere():
+        MPI.COMM_WORLD.bcast(None)
+    """
+
+
+@pytest.fixture(scope="module")
+def hung(tmp_path_factory) -> Suite:
+    """Three modules at 2 ranks, one launch: the third hangs."""
+    directory = tmp_path_factory.mktemp("hung")
+    second = (
+        PIDS
+        + """
+    def test_fails_on_both_ranks():
+        assert MPI.COMM_WORLD.allreduce(1) == 3, "two ranks, not three"
+    """
     )
-    result.stdout.fnmatch_lines(["*deadlock suspected*"])
-    result.stdout.fnmatch_lines(
-        ["*test_rank_1_fails_before_a_collective failed in call on this rank*"]
+    sources = {"test_first.py": PIDS, "test_second.py": second, "test_third.py": PIDS + LEFT}
+    return _run_modules(directory, sources, JAXDDP_TEST_TIMEOUT="20", JAXDDP_STALL_WARN="0")
+
+
+def test_a_hang_after_a_failure_on_one_rank_shows_that_failure(hung):
+    out = hung.out
+    out.fnmatch_lines(["*deadlock suspected*"])
+    out.fnmatch_lines(["*test_rank_1_fails_before_a_collective failed in call on this rank*"])
+    out.fnmatch_lines(["*rank 1 left before the barrier*"])
+
+
+def test_modules_of_one_world_size_share_a_launch_and_a_hang_is_blamed_on_its_test(hung):
+    """The ranks report one pid each across all three modules. The third hangs in its last
+    test; the first two keep their results (one passed, one failed), and the hang's report
+    names the test each rank was in."""
+    out = hung.out
+    out.fnmatch_lines(
+        [
+            "*test_first.py::[[]np=2[]] PASSED*",
+            "*test_first.py::test_one_launch_for_all[[]np=2[]] PASSED*",
+            "*test_second.py::[[]np=2[]] PASSED*",
+            "*test_second.py::test_one_launch_for_all[[]np=2[]] PASSED*",
+            "*test_second.py::test_fails_on_both_ranks[[]np=2[]] FAILED*",
+            "*test_third.py::[[]np=2[]] FAILED*",
+            "*test_third.py::test_one_launch_for_all[[]np=2[]] PASSED*",
+            "*test_third.py::test_rank_1_fails_before_a_collective[[]np=2[]] FAILED*",
+            "*test_third.py::test_rank_1_is_elsewhere[[]np=2[]] FAILED*",
+        ]
     )
-    result.stdout.fnmatch_lines(["*rank 1 left before the barrier*"])
+    out.fnmatch_lines(["*two ranks, not three*"])
+    stopped = (
+        "*the launch stopped with rank 0 in test_third.py::test_rank_1_fails_before_a_collective,"
+        " rank 1 in test_third.py::test_rank_1_is_elsewhere*"
+    )
+    out.fnmatch_lines([stopped])
+    lines = (hung.directory / "pids.txt").read_text().splitlines()
+    assert len(lines) == 3, lines
+    assert len(set(lines)) == 1, lines  # the same two processes in all three modules

@@ -18,6 +18,7 @@ import re
 from pathlib import Path
 
 import jax
+import pytest
 
 from jaxddp import _primitive
 from tests.harness import launch
@@ -114,6 +115,7 @@ def assert_one_chain_without_effect(graphs: list[dict], count: int) -> None:
     assert unordered(found[0]) == [], names
 
 
+@pytest.mark.slow  # a real launch
 def test_the_collectives_of_a_step_form_one_chain_in_xlas_execution_graph():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE="thunk_executor=6")
     result = launch([str(SCRIPTS / "thunk_graph.py")], 2, timeout=120, env=env)
@@ -145,6 +147,7 @@ def test_the_collectives_of_a_step_form_one_chain_in_xlas_execution_graph():
     )
 
 
+@pytest.mark.slow  # a real launch
 def test_a_program_that_exits_without_waiting_for_its_step_ends_cleanly():
     result = launch([str(SCRIPTS / "exit_without_waiting.py")], 2, timeout=120)
     assert result.ok, result.report()

@@ -7,7 +7,11 @@ over ``DistributedSampler.batches`` finishes on both ranks.
 
 from pathlib import Path
 
+import pytest
+
 from tests.harness import launch
+
+pytestmark = pytest.mark.slow  # real launches, one waiting for the watchdog on purpose
 
 SCRIPT = Path(__file__).with_name("scripts") / "naive_shards.py"
 

@@ -16,6 +16,8 @@ import pytest
 
 from tests.harness import launch
 
+pytestmark = pytest.mark.slow  # a fresh process or launch per scenario, each paying JAX's import
+
 SCRIPT = Path(__file__).with_name("scripts") / "startup.py"
 SKIP = "JAXDDP_SKIP_LAUNCHER_CHECK"
 

@@ -103,6 +103,34 @@ def _ask_for_stacks_and_kill(proc: subprocess.Popen[str], directory: Path) -> No
             os.kill(pid, signal.SIGKILL)
 
 
+def _log_sizes(directory: Path) -> tuple[int, ...]:
+    return tuple(p.stat().st_size for p in sorted(directory.glob("rank-*.log")))
+
+
+def _wait(
+    proc: subprocess.Popen[str], directory: Path, deadline: float, quiet: float | None
+) -> str | None:
+    """Waits for the job and returns the launcher's output; None when the job ran past
+    ``deadline``, or (with ``quiet``) when no rank's log grew for ``quiet`` seconds."""
+    sizes, grew = _log_sizes(directory), time.monotonic()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            output, _ = proc.communicate(timeout=left if quiet is None else min(left, 1.0))
+        except subprocess.TimeoutExpired:  # communicate() may be called again
+            pass
+        else:
+            return output
+        if quiet is not None:
+            now = _log_sizes(directory)
+            if now != sizes:
+                sizes, grew = now, time.monotonic()
+            elif time.monotonic() - grew >= quiet:
+                return None
+
+
 def launch(
     argv: list[str],
     np: int,
@@ -114,12 +142,16 @@ def launch(
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
     directory: str | Path | None = None,
+    quiet: float | None = None,
 ) -> LaunchResult:
     """Runs ``python ARGV`` on ``np`` ranks and waits at most ``timeout`` seconds.
 
     ``{rank}`` in ARGV becomes the rank's number. ``directory`` keeps the rank files (a
-    temporary folder by default). Never raises on a failed or hung job: the result says what
-    happened, and ``report()`` shows it with every rank's output.
+    temporary folder by default). ``quiet``, when given, also ends the job as hung once no
+    rank's log has grown for that many seconds (a long job of many short steps, each of
+    which writes a line, gets a generous ``timeout`` and a short ``quiet``). Never raises
+    on a failed or hung job: the result says what happened, and ``report()`` shows it with
+    every rank's output.
     """
     timeout = default_timeout() if timeout is None else timeout
     mpiexec = mpiexec or default_mpiexec()
@@ -152,11 +184,9 @@ def launch(
         cwd=cwd,
         start_new_session=True,
     )
-    timed_out = False
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+    output = _wait(proc, outdir, start + timeout, quiet)
+    timed_out = output is None
+    if timed_out:
         _ask_for_stacks_and_kill(proc, outdir)
         output, _ = proc.communicate()
     elapsed = time.monotonic() - start

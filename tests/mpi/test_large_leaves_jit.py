@@ -1,5 +1,5 @@
-"""Leaves past 2**31 elements inside jax.jit, on 2 real ranks (one launch per path, to
-stay well inside the launch watchdog)."""
+"""Leaves past 2**31 elements inside jax.jit, on 2 real ranks (one launch with
+test_large_leaves_host.py: the harness's watchdog limits each test, not the launch)."""
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +16,7 @@ from tests.mpi.large_leaves import (  # noqa: F401 - free_memory is an autouse f
 )
 
 MPI_SIZES = (2,)  # 4 to 6 GiB per rank: see tests/mpi/large_leaves.py
+MPI_GROUP = "large-leaves"  # one launch of their own, which frees that memory at its end
 
 
 def test_allreduce_of_a_leaf_past_2_31_elements_under_jit():

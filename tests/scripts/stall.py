@@ -1,13 +1,14 @@
 """A small data-parallel loop that stalls in the way MODE says, for the stall inspector tests.
 
-``python stall.py MODE``: the last rank misbehaves at batch 3 (``sleep``: sleeps forever in its
-data loading; ``break_exit``: leaves the loop and calls ``sys.exit(0)``; ``exit1``: calls
-``sys.exit(1)``; ``sigkill``/``sigstop``: sends itself that signal; ``tree``: its gradient tree
-has one more leaf, with ``check=False``; ``slow``: sleeps 2 s per batch but keeps going), or
-runs 12 s of jitted steps and nothing else from Python (``steps``, healthy), or
-rank 0 alone calls a collective after the loop (``rank0_only``). With ``tree``, each step's
-loss is also reduced from Python, so the extra leaf's collective deadlocks against it. Lines the tests look for
-carry a ``# LINE:`` marker.
+``python stall.py MODE [SECONDS]``: the last rank misbehaves at batch 3 (``sleep``: sleeps
+forever in its data loading; ``break_exit``: leaves the loop and calls ``sys.exit(0)``;
+``exit1``: calls ``sys.exit(1)``; ``sigkill``/``sigstop``: sends itself that signal; ``tree``:
+its gradient tree has one more leaf, with ``check=False``; ``slow``: sleeps 2 s per batch but
+keeps going), or runs 12 s of jitted steps and nothing else from Python (``steps``, healthy),
+or rank 0 alone calls a collective after the loop (``rank0_only``). SECONDS, for ``slow`` and
+``steps``, replaces their 2 s and 12 s. With ``tree``, each step's loss is also reduced from
+Python, so the extra leaf's collective deadlocks against it. Lines the tests look for carry a
+``# LINE:`` marker.
 """
 
 import os
@@ -23,6 +24,7 @@ import optax
 import jaxddp
 
 mode = sys.argv[1]
+seconds = float(sys.argv[2]) if len(sys.argv) > 2 else {"slow": 2.0, "steps": 12.0}.get(mode, 0.0)
 rank, size = jaxddp.rank(), jaxddp.world_size()
 last = size - 1
 data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4) / 256
@@ -58,17 +60,17 @@ def load_batch(indices, k):
         misbehaves()
         time.sleep(3600)  # LINE: sleep
     if mode == "slow" and rank == last:
-        time.sleep(2)
+        time.sleep(seconds)
     return data[indices]
 
 
-if mode == "steps":  # healthy: 12 s of jitted steps whose collectives are all compiled
+if mode == "steps":  # healthy: `seconds` of jitted steps whose collectives are all compiled
     burn = jax.jit(lambda y: jax.lax.fori_loop(0, 400, lambda i, y: jnp.tanh(y @ y), y))
     x, mask = jnp.asarray(data[:16]), jnp.ones(16, bool)
     y = jnp.eye(256) / 2
     start, steps = time.time(), 0
-    while jaxddp.allreduce({"go": time.time() - start < 12.0}, op="min")["go"]:
-        for _ in range(20):  # no jaxddp call from Python for most of the 12 s
+    while jaxddp.allreduce({"go": time.time() - start < seconds}, op="min")["go"]:
+        for _ in range(20):  # no jaxddp call from Python for seconds at a time
             params, opt_state, loss = step(params, opt_state, x, mask)
             burn(y).block_until_ready()
             steps += 1
