@@ -2,10 +2,15 @@
 verified on. This is the only jaxddp module that imports ``jax._src`` or ``mpi4jax._src``; the
 others use public JAX (``jax``, ``jax.extend``, ``jax.ffi``, ``jax.interpreters``) or this.
 
-Verified (:data:`VERIFIED`): the single-process suite and the MPI suite, ordering tests at 2
-and 4 ranks, on the fast path, with mpi4jax 0.9.1.post2:
+Verified (:data:`VERIFIED`), with mpi4jax 0.9.1.post2 on the fast path, by the ordering tests
+(``tests/test_ordering.py``, ``tests/mpi/test_ordering.py``):
 
-* jax/jaxlib 0.10.2 (Python 3.11), 0.11.2 and 0.12.0.1 (Python 3.12).
+* jax/jaxlib 0.12.0.1 (Python 3.12): the single-process suite, the MPI suite at 2 ranks, the
+  ordering tests at 4;
+* jax/jaxlib 0.10.2 (Python 3.11): the ordering tests at 2 and 4 ranks;
+* jax/jaxlib 0.11.2 (Python 3.12): the ordering tests at 2 ranks.
+
+``nox -s "tests_jax(0.10)"`` (``0.11``, ``0.12``) runs both suites on each.
 
 What differs among them:
 
