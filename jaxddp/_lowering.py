@@ -3,24 +3,16 @@ their attributes, and the token that chains one call to the next."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
-from jax._src.core import ShapedArray, abstract_token
-from jax.interpreters import mlir
+from jax.core import ShapedArray
 
-__all__ = ["Handle", "emit", "lowering_into_main", "ordered_effect", "out_avals"]
+from . import _jax_compat as compat
 
-
-@functools.cache
-def ordered_effect() -> Any:
-    """mpi4jax's ordered effect, imported on first use (importing mpi4jax starts MPI)."""
-    from mpi4jax._src.utils import ordered_effect
-
-    return ordered_effect
+__all__ = ["Handle", "emit", "out_avals"]
 
 
 class Handle:
@@ -81,7 +73,8 @@ def emit(
     attrs = _attrs(kind, params)
     outs = []
     for x, aval_in, aval_out in zip(xs, *avals, strict=True):
-        sub = ctx.replace(avals_in=(aval_in, abstract_token), avals_out=(aval_out, abstract_token))
+        token_aval = compat.abstract_token()
+        sub = ctx.replace(avals_in=(aval_in, token_aval), avals_out=(aval_out, token_aval))
         nitems = np.int64(np.prod(aval_in.shape, dtype=np.int64))
         out, token = rule(sub, x, token, nitems=nitems, dtype=_dtype_handle(aval_in.dtype), **attrs)
         outs.append(out)
@@ -92,12 +85,3 @@ def out_avals(kind: str, avals: Sequence[Any], params: dict[str, Any]) -> list[A
     """A broadcast's root and a reduce's non-roots get nothing back (their input stands)."""
     empty = (kind == "bcast" and params["is_root"]) or (kind == "reduce" and not params["is_root"])
     return [ShapedArray((0,) if empty else a.shape, a.dtype) for a in avals]
-
-
-def lowering_into_main() -> bool:
-    """Whether ops are being emitted straight into the module's entry function."""
-    ir = mlir.ir
-    owner = ir.InsertionPoint.current.block.owner  # pyright: ignore[reportAttributeAccessIssue]
-    if owner.operation.name != "func.func":
-        return False
-    return ir.StringAttr(owner.attributes["sym_name"]).value == "main"

@@ -22,9 +22,10 @@ A jitted function first traced on its own (its collectives chained for its own t
 and then called inside another trace is replayed into it (:mod:`jaxddp._restage`), so that
 its collectives take the form they would have had if first traced there.
 
-Where that ordering has not been established (another platform, a jaxlib outside
-:data:`VERIFIED_JAXLIB`, several local devices), :func:`fast_path` is False and every
-collective is ordered: slower to dispatch, as mpi4jax.
+Where that ordering has not been established (another platform, a JAX outside
+:data:`jaxddp._jax_compat.VERIFIED`, several local devices), :func:`fast_path` is False:
+every collective binds the ordered form directly (slower to dispatch, as mpi4jax), and
+nothing of JAX's own rules is changed.
 """
 
 from __future__ import annotations
@@ -37,52 +38,52 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax._src import dispatch
-from jax._src.core import abstract_token
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax.lax import create_token_p
-from jax._src.lib.mlir.dialects import hlo
 from jax.extend.core import Primitive
+from jax.extend.core.primitives import create_token_p
 from jax.interpreters import ad, batching, mlir
 
+from . import _jax_compat as compat
 from . import _restage
-from ._lowering import Handle, emit, lowering_into_main, ordered_effect, out_avals
+from ._jax_compat import ordered_effect
+from ._lowering import Handle, emit, out_avals
 
 __all__ = [
-    "VERIFIED_JAXLIB",
     "allreduce_many",
     "bcast_many",
     "close_chain",
     "fast_path",
+    "path_reason",
     "reduce_many",
     "restage",
 ]
-
-# (major, minor) of the jaxlib releases whose ordering the test suite has established.
-VERIFIED_JAXLIB = frozenset({(0, 10)})
 
 # Test-suite switch between the two paths ("fast" or "ordered"); not a user setting.
 PATH_VARIABLE = "JAXDDP_TEST_COLLECTIVE_PATH"
 
 
-def _jaxlib_version() -> tuple[int, int]:
-    from importlib.metadata import version
-
-    major, minor = version("jaxlib").split(".")[:2]
-    return int(major), int(minor)
-
-
 @functools.cache
-def fast_path() -> bool:
-    """Whether jaxddp's collectives use the effect-free primitives (decided once)."""
+def path_reason() -> tuple[bool, str]:
+    """Whether jaxddp's collectives take the fast path, and why (decided once)."""
     forced = os.environ.get(PATH_VARIABLE, "").strip().lower()
     if forced in ("fast", "ordered"):
-        return forced == "fast"
-    return (
-        jax.default_backend() == "cpu"
-        and jax.local_device_count() == 1
-        and _jaxlib_version() in VERIFIED_JAXLIB
-    )
+        fast, why = forced == "fast", f"{PATH_VARIABLE}={forced}"
+    elif (reason := compat.unverified_reason() or compat.missing_internals()) is not None:
+        fast, why = False, reason
+    elif jax.default_backend() != "cpu":
+        fast, why = False, f"the {jax.default_backend()} backend (the fast path is CPU's)"
+    elif jax.local_device_count() != 1:
+        fast, why = False, f"{jax.local_device_count()} local devices (the fast path needs one)"
+    else:
+        jax_version, _ = compat.jax_versions()
+        fast, why = True, f"jax {jax_version} on CPU with one local device, verified"
+    if fast:
+        compat.keep_in_dce(_chained_p)  # a chained collective is never dead code
+    return fast, why
+
+
+def fast_path() -> bool:
+    """Whether jaxddp's collectives use the effect-free primitives (decided once)."""
+    return path_reason()[0]
 
 
 # The two forms a collective takes once staged into a jaxpr. `chained`: no effect; it takes
@@ -93,15 +94,17 @@ def fast_path() -> bool:
 _chained_p = Primitive("jaxddp_chained")
 _chained_p.multiple_results = True
 _chained_p.def_abstract_eval(
-    lambda token, *xs, kind, tangent, **params: [abstract_token, *out_avals(kind, xs, params)]
+    lambda token, *xs, kind, tangent, **params: [
+        compat.abstract_token(),
+        *out_avals(kind, xs, params),
+    ]
 )
-pe.dce_rules[_chained_p] = lambda used, eqn: ([True] * len(eqn.invars), eqn)
 
 
 def _lower_chained(
     ctx: Any, token: Any, *xs: Any, kind: str, tangent: bool, **params: Any
 ) -> list[Any]:
-    if not lowering_into_main():
+    if not compat.lowering_into_main():
         # Chained collectives compiled below a main function (a branch or loop staged
         # outside any jit, or a body reused from such a trace): their chain would not be
         # ordered with the other collectives.
@@ -125,6 +128,7 @@ def _ordered_abstract(*xs: Any, kind: str, tangent: bool, **params: Any) -> Any:
 
 
 _ordered_p.def_effectful_abstract_eval(_ordered_abstract)
+_ordered_p.def_impl(functools.partial(compat.apply_primitive, _ordered_p))
 
 
 def _lower_ordered(ctx: Any, *xs: Any, kind: str, tangent: bool, **params: Any) -> list[Any]:
@@ -152,7 +156,7 @@ _bridge_p.def_effectful_abstract_eval(_bridge_abstract)
 
 def _lower_bridge(ctx: Any, token: Any) -> list[Any]:
     effect = ctx.tokens_in.get(ordered_effect())
-    ctx.set_tokens_out(mlir.TokenSet({ordered_effect(): hlo.after_all([token, effect])}))
+    ctx.set_tokens_out(mlir.TokenSet({ordered_effect(): compat.after_all([token, effect])}))
     return []
 
 
@@ -224,19 +228,9 @@ class _Chain:
 _chains: weakref.WeakKeyDictionary[Any, _Chain] = weakref.WeakKeyDictionary()
 
 
-def _root(trace: Any) -> Any:
-    """The outermost jaxpr trace above ``trace``: the jit being traced."""
-    root, t = trace, trace
-    while t is not None:
-        if isinstance(t, pe.DynamicJaxprTrace):
-            root = t
-        t = getattr(t, "parent_trace", None)
-    return root
-
-
 def _chain_of(trace: Any) -> tuple[Any, _Chain]:
     """The jit that ``trace`` belongs to (its outermost jaxpr trace), and its chain."""
-    root = _root(trace)
+    root = compat.outermost_jaxpr_trace(trace)
     chain = _chains.get(root)
     if chain is None:
         chain = _chains.setdefault(root, _Chain())
@@ -264,7 +258,10 @@ def _stage(p: _Collective, trace: Any, args: Sequence[Any], avals: Any, params: 
             _wait_at_exit()
             token = create_token_p.bind_with_trace(root, (), (), {})
         token, *outs = _chained_p.bind_with_trace(
-            trace, (token, *args), (abstract_token, *avals), dict(params, tangent=p.tangent)
+            trace,
+            (token, *args),
+            (compat.abstract_token(), *avals),
+            dict(params, tangent=p.tangent),
         )
         chain.token = token
         return outs
@@ -283,7 +280,7 @@ def close_chain(trace: Any) -> None:
         return
     chain.switched = True
     if chain.token is not None:
-        _bridge_p.bind_with_trace(root, (chain.token,), (abstract_token,), {})
+        _bridge_p.bind_with_trace(root, (chain.token,), (compat.abstract_token(),), {})
         chain.token = None
 
 
@@ -317,15 +314,21 @@ class _Collective(Primitive):
         self.kind = kind
         self.tangent = tangent
 
+    def bind(self, *args: Any, **params: Any) -> Any:
+        if not fast_path():  # the ordered form, bound as any primitive: nothing of JAX changes
+            return _ordered_p.bind(*args, **params, kind=self.kind, tangent=self.tangent)
+        return super().bind(*args, **params)
+
     def bind_with_trace(self, trace: Any, args: Any, avals: Any, params: Any, /) -> Any:
-        if isinstance(trace, pe.DynamicJaxprTrace):
+        # reached on the fast path only (see bind)
+        if compat.is_jaxpr_trace(trace):
             return _stage(self, trace, args, avals, params)
         return super().bind_with_trace(trace, args, avals, params)
 
 
 def _collective(kind: str, *, tangent: bool = False) -> _Collective:
     p = _Collective(kind, tangent=tangent)
-    p.def_impl(functools.partial(dispatch.apply_primitive, p))
+    p.def_impl(functools.partial(compat.apply_primitive, p))
     p.def_abstract_eval(lambda *xs, **params: out_avals(kind, xs, params))
     return p
 

@@ -23,13 +23,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from jax._src import source_info_util
-from jax._src.core import Literal, Var, abstract_token, set_current_trace
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax.lax import create_token_p
-from jax._src.pjit import jit_p
+from jax.extend.core import Literal, Var
+from jax.extend.core.primitives import create_token_p
 
-from ._lowering import ordered_effect
+from . import _jax_compat as compat
+from ._jax_compat import ordered_effect
 
 __all__ = ["NESTED_MESSAGE", "install"]
 
@@ -46,8 +44,8 @@ NESTED_MESSAGE = (
 
 @functools.cache
 def install() -> None:
-    """Wraps JAX's staging rule for ``jit`` (once per process)."""
-    jax_rule = pe.custom_staging_rules[jit_p]
+    """Wraps JAX's staging rule for ``jit`` (once per process, on the fast path only)."""
+    jax_rule = compat.jit_staging_rule()
 
     def staging_rule(trace: Any, source_info: Any, *args: Any, **params: Any) -> Any:
         from ._primitive import close_chain
@@ -59,7 +57,7 @@ def install() -> None:
             close_chain(trace)
         return jax_rule(trace, source_info, *args, **params)
 
-    pe.custom_staging_rules[jit_p] = staging_rule
+    compat.set_jit_staging_rule(staging_rule)
 
 
 def _replays(jaxpr: Any) -> bool:
@@ -87,7 +85,7 @@ def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
         for e in jaxpr.eqns
         if e.primitive in ours
         for v in [*e.invars, *e.outvars]
-        if isinstance(v, Var) and v.aval == abstract_token
+        if isinstance(v, Var) and v.aval == compat.abstract_token()
     }
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, closed.consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
@@ -101,11 +99,7 @@ def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
             continue
         if eqn.primitive not in ours and any(isinstance(v, Var) and v in chain for v in eqn.invars):
             raise NotImplementedError(NESTED_MESSAGE)  # the old chain's token, read elsewhere
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with (
-            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-            eqn.ctx.manager,
-        ):
+        with compat.replay_context(eqn):
             if eqn.primitive is _bridge_p:  # the old chain ended here: the caller's ends too
                 close_chain(trace)
                 outs = []
@@ -119,7 +113,7 @@ def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
                 if ordered_effect() in eqn.effects:  # a branch or loop holding collectives
                     close_chain(trace)
                 ins = [read(v) for v in eqn.invars]
-                with set_current_trace(trace):
+                with compat.set_current_trace(trace):
                     outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
                 if not eqn.primitive.multiple_results:
                     outs = [outs]

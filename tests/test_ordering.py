@@ -9,7 +9,7 @@ XLA:CPU actually built (its own debug log) and checks that the collectives of a 
 one chain, through a ``lax.cond`` too, and through a jitted function replayed into its
 caller. It depends on that log's format: if a jaxlib upgrade
 changes it, the parsing fails loudly here, and the ordering needs checking again before the
-new jaxlib joins ``jaxddp._primitive.VERIFIED_JAXLIB``.
+new release joins ``jaxddp._jax_compat.VERIFIED``.
 """
 
 import itertools
@@ -91,13 +91,11 @@ def test_the_check_sees_two_collectives_that_need_not_wait_for_each_other():
 
 
 def test_this_jaxlib_takes_the_fast_path():
-    import jaxlib
-
     assert jax.default_backend() == "cpu"
     assert _primitive.fast_path(), (
-        f"jaxlib {jaxlib.__version__} is not in jaxddp._primitive.VERIFIED_JAXLIB, so every "
-        "collective takes the ordered-effect path. Check the ordering tests "
-        "(tests/test_ordering.py, tests/mpi/test_ordering.py) against it, then add it."
+        f"jax {jax.__version__}: {_primitive.path_reason()[1]}, so every collective "
+        "takes the ordered-effect path. Check the ordering tests (tests/test_ordering.py, "
+        "tests/mpi/test_ordering.py) against it, then add it to jaxddp._jax_compat.VERIFIED."
     )
 
 
