@@ -315,7 +315,8 @@ def _crc32(leaf: Any) -> int | None:
     if isinstance(leaf, bool | int | float | complex | str):
         return None
     array = np.ascontiguousarray(np.asarray(leaf))
-    return zlib.crc32(array.view(np.uint8).reshape(-1) if array.size else b"")
+    data: Any = array.reshape(-1).view(np.uint8)  # a buffer: zlib reads it without a copy
+    return zlib.crc32(data if array.size else b"")
 
 
 def _checksums(storable: Any) -> dict[str, int]:

@@ -209,11 +209,15 @@ def _widen(x: Any, op: str) -> Any:
     return x if wide == x.dtype else x.astype(wide)
 
 
+def _x64() -> bool:
+    return bool(jax.config.read("jax_enable_x64"))
+
+
 def _halves(dtype: Any, traced: bool) -> bool:
     """Whether a mean of this integer dtype travels as 16-bit halves: 32-bit integers inside
     ``jax.jit`` without ``jax_enable_x64``, where no 64-bit type holds their sum."""
     dtype = np.dtype(dtype)
-    return traced and dtype.kind in "iu" and dtype.itemsize == 4 and not jax.config.x64_enabled
+    return traced and dtype.kind in "iu" and dtype.itemsize == 4 and not _x64()
 
 
 def _sum_carrier(x: Any) -> Any:
@@ -270,7 +274,7 @@ def _mean(x: Any, size: int, dtype: Any) -> Any:
     if _halves(dtype, traced=True):  # the exact sum, rounded once to float32, then divided
         total = x[0].astype(jnp.float32) * np.float32(1 << 16) + x[1].astype(jnp.float32)
         return total / np.float32(size)
-    wide = jnp.float64 if jax.config.x64_enabled else jnp.float32
+    wide = jnp.float64 if _x64() else jnp.float32
     return (x.astype(wide) / size).astype(jnp.float32)
 
 
