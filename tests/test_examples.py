@@ -4,6 +4,7 @@ digits example reaches the same accuracy for the same global batch."""
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -95,6 +96,8 @@ def test_digits_resumed_from_a_checkpoint_ends_as_the_uninterrupted_run(
     command += ["--checkpoint-dir", str(tmp_path / "ckpt")]
     first = launch([*command, "--epochs", "1"], 2, timeout=180)
     assert first.ok, first.report()
+    # the same checkpoint resumes on 4 ranks below; the 2-rank resume adds newer ones here
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "ckpt4")
     resumed = launch([*command, "--epochs", EPOCHS, "--resume"], 2, timeout=180)
     assert resumed.ok, resumed.report()
     out = resumed.rank_logs["0"]
@@ -104,6 +107,7 @@ def test_digits_resumed_from_a_checkpoint_ends_as_the_uninterrupted_run(
     # the same checkpoint onto 4 ranks x 16: 1347 = 21 * 64 + 3, so rank 3's last batch of
     # every epoch is only padding (Flax's own batch norm gave nan there)
     command[command.index("32")] = "16"
+    command[command.index(str(tmp_path / "ckpt"))] = str(tmp_path / "ckpt4")
     wider = launch([*command, "--epochs", EPOCHS, "--resume"], 4, timeout=240)
     assert wider.ok, wider.report()
     out = wider.rank_logs["0"]
