@@ -90,8 +90,13 @@ def _normalize(
     bias: Any,
     feature_axes: tuple[int, ...],
     epsilon: float,
+    dtype: Any,
 ) -> jax.Array:
-    """``(x - mean) * (rsqrt(var + epsilon) * scale) + bias``, in Flax's order of operations."""
+    """``(x - mean) * (rsqrt(var + epsilon) * scale) + bias``, in Flax's order of operations,
+    computed in the statistics' (at least float32) dtype; returned in ``dtype``, or when it is
+    None in the dtype of ``x``, ``scale`` and ``bias`` promoted together."""
+    out_dtype = dtype or jnp.result_type(x, *(v for v in (scale, bias) if v is not None))
+    x = x.astype(jnp.promote_types(mean.dtype, jnp.float32))
     shape = [1] * x.ndim
     for a in feature_axes:
         shape[a] = x.shape[a]
@@ -101,7 +106,7 @@ def _normalize(
     y = (x - mean.reshape(shape)) * mul
     if bias is not None:
         y = y + bias.reshape(shape)
-    return y
+    return y.astype(out_dtype)
 
 
 class SyncBatchNorm(nnx.BatchNorm):
@@ -175,17 +180,10 @@ class SyncBatchNorm(nnx.BatchNorm):
         )
         scale = None if self.scale is None else self.scale[...]
         bias = None if self.bias is None else self.bias[...]
-        y = _normalize(
-            x.astype(mean.dtype),
-            mean,
-            var,
-            scale=scale,
-            bias=bias,
-            feature_axes=feature_axes,
-            epsilon=self.epsilon,
-        )
-        out_dtype = self.dtype or jnp.result_type(x, *(v for v in (scale, bias) if v is not None))
-        return y.astype(out_dtype)
+        return _normalize(
+            x, mean, var, scale=scale, bias=bias, feature_axes=feature_axes,
+            epsilon=self.epsilon, dtype=self.dtype,
+        )  # fmt: skip
 
 
 class LinenSyncBatchNorm(nn.BatchNorm):
@@ -262,18 +260,10 @@ class LinenSyncBatchNorm(nn.BatchNorm):
             scale = self.param("scale", self.scale_init, feature_shape, self.param_dtype)
         if self.use_bias:
             bias = self.param("bias", self.bias_init, feature_shape, self.param_dtype)
-        wide_dtype = jnp.promote_types(mean.dtype, jnp.float32)
-        y = _normalize(
-            x.astype(wide_dtype),
-            mean,
-            var,
-            scale=scale,
-            bias=bias,
-            feature_axes=feature_axes,
-            epsilon=self.epsilon,
-        )
-        out_dtype = self.dtype or jnp.result_type(x, *(v for v in (scale, bias) if v is not None))
-        return y.astype(out_dtype)
+        return _normalize(
+            x, mean, var, scale=scale, bias=bias, feature_axes=feature_axes,
+            epsilon=self.epsilon, dtype=self.dtype,
+        )  # fmt: skip
 
 
 _COMMS: dict[int, Any] = {}
