@@ -55,7 +55,8 @@ class DistributedSampler:
     Everything whose statistics span the ranks is safe there (:func:`jaxddp.masked_mean`,
     the gradient average, :class:`jaxddp.SyncBatchNorm`); what divides by a rank's own
     count (Flax's ``BatchNorm`` with the mask, a per-rank mean) gives ``nan``: see the docs'
-    sharp bits. With ``drop_last=True`` the order is cut to its first ``L = floor(N / W) * W`` entries instead of being padded, and
+    sharp bits. With ``drop_last=True`` the order is cut to its first
+    ``L = floor(N / W) * W`` entries instead of being padded, and
     positions repeat those.
 
     When ``comm`` is given, or ``num_replicas`` or ``rank`` is taken from the MPI world, the
@@ -67,9 +68,8 @@ class DistributedSampler:
     every rank is in the same epoch with the same ``batch_size`` (one small allgather per
     pass), raising ValueError on every rank if not. A rank that never arrives makes the
     others raise TimeoutError after ``JAXDDP_CHECK_TIMEOUT`` seconds instead of waiting
-    forever. With ``num_replicas`` and
-    ``rank`` given explicitly and no ``comm``, the sampler is a pure computation that never
-    touches MPI.
+    forever. With ``num_replicas`` and ``rank`` given explicitly and no ``comm``, the
+    sampler is a pure computation that never touches MPI.
 
     Iterating over the sampler, or over :meth:`batches`, is a *pass* over the epoch. A pass
     advances the position (the samples of the epoch's global order handed out so far, on
