@@ -332,7 +332,7 @@ def _checksums(storable: Any) -> dict[str, int]:
 def _verify(restored: Any, custom: Any, step: int) -> None:
     """Raises DamagedCheckpointError naming the first array whose bytes fail the checksum
     saved with it. A checkpoint saved without checksums (by an older jaxddp) passes."""
-    saved = (custom or {}).get(_METADATA_KEY, {}).get("crc32") if isinstance(custom, dict) else None
+    saved = custom.get(_METADATA_KEY, {}).get("crc32") if isinstance(custom, dict) else None
     if not saved:
         return
     for path, leaf in _by_path(restored).items():
