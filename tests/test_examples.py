@@ -104,15 +104,24 @@ def test_digits_resumed_from_a_checkpoint_ends_as_the_uninterrupted_run(
     assert "resumed after epoch 1" in out
     assert _digest(out) == _digest(digits_on_two_ranks.rank_logs["0"])
     assert _digest(first.rank_logs["0"]) != _digest(out)
-    # the same checkpoint onto 4 ranks x 16: 1347 = 21 * 64 + 3, so rank 3's last batch of
-    # every epoch is only padding (Flax's own batch norm gave nan there)
+    # the same checkpoint onto 4 ranks x 16 for one more epoch: 1347 = 21 * 64 + 3, so rank
+    # 3's last batch of every epoch is only padding (Flax's own batch norm gave nan there).
+    # That 4 x 16 trains as 2 x 32 does is tests/mpi/test_padding_ranks.py's (to 1e-6); here
+    # the example resumes there, learns, and ends identical on every rank.
     command[command.index("32")] = "16"
     command[command.index(str(tmp_path / "ckpt"))] = str(tmp_path / "ckpt4")
-    wider = launch([*command, "--epochs", EPOCHS, "--resume"], 4, timeout=240)
+    wider = launch([*command, "--epochs", "2", "--resume"], 4, timeout=240)
     assert wider.ok, wider.report()
     out = wider.rank_logs["0"]
     assert "resumed after epoch 1" in out
     assert "batch 16 per rank = 64 global" in out
     assert "nan" not in out
     assert "model identical on all 4 ranks: yes" in out
-    assert abs(_accuracy(out) - _accuracy(digits_on_two_ranks.rank_logs["0"])) <= 0.01
+    assert _epoch_loss(out, 2) < _epoch_loss(first.rank_logs["0"], 1)
+    assert _accuracy(out) > max(0.85, _accuracy(first.rank_logs["0"]) - 0.01)
+
+
+def _epoch_loss(text: str, epoch: int) -> float:
+    match = re.search(rf"epoch {epoch}/\d+: mean loss ([\d.]+)", text)
+    assert match, text
+    return float(match.group(1))
