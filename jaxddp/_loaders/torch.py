@@ -87,11 +87,11 @@ class DistributedBatchSampler(torch.utils.data.Sampler[list[Entry]]):
         return self.sampler._pending_batches(self.batch_size, self.drop_last)
 
     def __iter__(self) -> Iterator[list[Entry]]:
+        # The pass starts at the first batch asked for, not here: PyTorch's DataLoader with
+        # workers calls iter() twice and drops the first iterator, which would otherwise
+        # start (and spend a loaded position on) a pass of its own.
         batches = self.sampler._batch_pass(self.batch_size, self.drop_last)
         self._pass = batches
-        return self._iterate(batches)
-
-    def _iterate(self, batches: BatchPass) -> Iterator[list[Entry]]:
         for k in range(batches.count):
             if self._on_dispatch:
                 batches.hand_out(k + 1)
@@ -186,13 +186,14 @@ class DataLoader(torch.utils.data.DataLoader):
         self._batches = batches
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
-        inner = super().__iter__()  # iterates the batch sampler: starts its pass
-        batches = self._batches._pass
-        assert batches is not None
-        return self._follow(inner, batches)
+        return self._follow(super().__iter__())
 
-    def _follow(self, inner: Iterator[Any], batches: BatchPass) -> Iterator[Any]:
+    def _follow(self, inner: Iterator[Any]) -> Iterator[Any]:
+        batches: BatchPass | None = None
         for taken, batch in enumerate(inner, start=1):
+            if batches is None:  # the pass the batch sampler started for this iteration
+                batches = self._batches._pass
+                assert batches is not None
             batches.hand_out(taken)
             _progress.note("jaxddp.torch.DataLoader")
             yield batch
