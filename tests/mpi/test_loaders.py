@@ -178,6 +178,11 @@ def test_a_run_saved_mid_epoch_resumes_on_another_world_size_exactly(kind, stop_
     _assert_same_params(narrower, alone)
 
 
+# The worker tests start processes (seconds each, per rank): run at 2 ranks, on every rank.
+WORKERS_ONCE = pytest.mark.skipif(size > 2, reason="worker mechanics: tested at 2 ranks")
+
+
+@WORKERS_ONCE
 def test_grain_workers_read_the_batches_of_the_sampler():
     sampler = jaxddp.DistributedSampler(N, seed=3)
     sampler.set_epoch(2)
@@ -200,6 +205,7 @@ def test_grain_workers_read_the_batches_of_the_sampler():
     assert states == [min((k + 1) * 7 * size, N) for k in range(len(expected) - 1)] + [N]
 
 
+@WORKERS_ONCE
 def test_a_spawned_worker_imports_jaxddp_without_starting_mpi():
     """grain's and torch's spawned workers import jaxddp when they unpickle their work:
     MPI_Init there aborted (the launcher's PMI descriptor is not inherited) and the pool
