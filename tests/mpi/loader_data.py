@@ -6,7 +6,6 @@ communicator split), which a worker cannot: so what the workers need lives here.
 """
 
 import numpy as np
-import torch.utils.data
 
 N, FEATURES = 203, 5
 _data = np.random.default_rng(5)
@@ -19,13 +18,17 @@ def record(i):
     return {"x": X[i], "y": Y[i]}
 
 
-class TorchSamples(torch.utils.data.Dataset):
-    """A map-style data set as a torch user writes it: one sample per index."""
+class TorchSamples:
+    """A map-style data set as a torch user writes it: one sample per index. (Not a
+    subclass of torch's Dataset, which needs nothing of it: so that grain's workers, which
+    import this module, do not import torch, seconds of CPU each.)"""
 
     def __len__(self):
         return N
 
     def __getitem__(self, i):
+        import torch
+
         return torch.from_numpy(X[i]), int(Y[i])
 
 
