@@ -16,7 +16,6 @@ from typing import Any
 
 import grain
 import numpy as np
-from grain._src.core import sharding as _grain_sharding  # the class ShardByJaxProcess calls
 
 from .. import _progress
 from .._sampler import BatchPass, DistributedSampler
@@ -242,8 +241,9 @@ def _refuse_jax_process_sharding(original: Any) -> Any:
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         from .._world import in_loader_worker, world_size
 
+        original(self, *args, **kwargs)  # asks JAX for its process index and count
         world = 1 if in_loader_worker() else world_size()
-        index, count = _grain_sharding.get_process_index_and_count()
+        index, count = self.shard_index, self.shard_count
         if world > 1 and count != world:
             msg = (
                 f"grain.sharding.ShardByJaxProcess() sees JAX process {index} of {count}, but "
@@ -254,7 +254,6 @@ def _refuse_jax_process_sharding(original: Any) -> Any:
                 "with the same number of batches on every rank."
             )
             raise ValueError(msg)
-        original(self, *args, **kwargs)
 
     init._jaxddp_refuses = True  # type: ignore[attr-defined]
     return init
