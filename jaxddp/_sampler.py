@@ -24,11 +24,55 @@ from ._shards import IndexArray, MaskArray
 from ._shards import boolean as _boolean
 from ._shards import integer as _integer
 
-__all__ = ["DistributedSampler"]
+__all__ = ["BatchPass", "DistributedSampler"]
 
 # Entries past its end that a rank's cached shard holds at least: the fill of a short last
 # batch, so that iterating over batches of up to this size allocates nothing of size N.
 _REACH = 1024
+
+
+class BatchPass:
+    """One pass of :meth:`DistributedSampler.batches`, for the loaders built on it.
+
+    ``count`` batches of ``batch_size`` entries of this rank's padded order, from entry
+    ``start`` on; :meth:`batch` reads one (pure: a worker process may hold a pass's arrays),
+    :meth:`hand_out` moves the sampler's position to the end of the first ``k`` of them.
+    """
+
+    __slots__ = ("_sampler", "batch_size", "count", "epoch", "indices", "mask", "start")
+
+    def __init__(
+        self,
+        sampler: DistributedSampler,
+        indices: IndexArray,
+        mask: MaskArray,
+        *,
+        start: int,
+        batch_size: int,
+        count: int,
+    ) -> None:
+        self._sampler = sampler
+        self.epoch = sampler.epoch
+        self.indices, self.mask = indices, mask  # the shard and its fill, read-only
+        self.start, self.batch_size, self.count = start, batch_size, count
+
+    def entries(self) -> tuple[IndexArray, MaskArray]:
+        """The pass's ``count * batch_size`` indices and mask, batch after batch."""
+        end = self.start + self.count * self.batch_size
+        return self.indices[self.start : end].copy(), self.mask[self.start : end].copy()
+
+    def batch(self, k: int) -> tuple[IndexArray, MaskArray]:
+        begin = self.start + k * self.batch_size
+        end = begin + self.batch_size
+        return self.indices[begin:end].copy(), self.mask[begin:end].copy()
+
+    def hand_out(self, k: int) -> None:
+        """Sets the sampler's position to the end of the pass's first ``k`` batches."""
+        sampler = self._sampler
+        if k >= self.count:  # the last batch ends the epoch, also when drop_last leaves a tail
+            sampler._position = sampler._n
+        else:
+            sampler._position = sampler._handed_out(self.start + k * self.batch_size)
 
 
 class DistributedSampler:
@@ -248,9 +292,14 @@ class DistributedSampler:
 
     def _start_pass(self) -> int:
         """This rank's first entry of the pass: 0, or the loaded position's."""
-        position = self._position if self._resume else 0
+        start = self._next_start()
+        self._position = self._position if self._resume else 0
         self._resume = False
-        self._position = position
+        return start
+
+    def _next_start(self) -> int:
+        """The first entry of the next pass, which :meth:`_start_pass` will start."""
+        position = self._position if self._resume else 0
         return self._s if position >= self._n else position // self._num_replicas
 
     def _handed_out(self, entries: int) -> int:
@@ -315,6 +364,11 @@ class DistributedSampler:
           An iterator over the rest of the pass: the epoch from the start, or from the
           loaded position for the first pass after :meth:`load_state_dict`.
         """
+        return self._batches(self._batch_pass(batch_size, drop_last))
+
+    def _batch_pass(self, batch_size: int, drop_last: bool) -> BatchPass:
+        """Starts a pass over batches (the checks of :meth:`batches` included): what the
+        loaders (``jaxddp.grain``, ``jaxddp.torch``) read their batches from."""
         batch_size = _integer("batch_size", batch_size, minimum=1)
         drop_last = _boolean("drop_last", drop_last)
         self._check_pass(batch_size, drop_last)
@@ -330,18 +384,19 @@ class DistributedSampler:
         start = self._start_pass()
         count = self._count(start, batch_size, drop_last)
         indices, mask = self._shard(start + count * batch_size - self._s)
-        return self._batches(indices, mask, start, batch_size, count)
+        return BatchPass(self, indices, mask, start=start, batch_size=batch_size, count=count)
 
-    def _batches(
-        self, indices: IndexArray, mask: MaskArray, start: int, batch_size: int, count: int
-    ) -> Iterator[tuple[IndexArray, MaskArray]]:
-        for k in range(count):
-            begin = start + k * batch_size
-            end = begin + batch_size
-            # the last batch ends the epoch, also when drop_last leaves a tail out
-            self._position = self._n if k == count - 1 else self._handed_out(end)
+    def _pending_batches(self, batch_size: int, drop_last: bool) -> int:
+        """How many batches the next pass will yield (from the loaded position, if any)."""
+        batch_size = _integer("batch_size", batch_size, minimum=1)
+        drop_last = _boolean("drop_last", drop_last)
+        return self._count(self._next_start(), batch_size, drop_last)
+
+    def _batches(self, batches: BatchPass) -> Iterator[tuple[IndexArray, MaskArray]]:
+        for k in range(batches.count):
+            batches.hand_out(k + 1)  # counted as it is yielded: see state_dict
             _progress.note("DistributedSampler.batches")
-            yield indices[begin:end].copy(), mask[begin:end].copy()
+            yield batches.batch(k)
 
     # -- state ----------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from . import _exit, _launcher, _mpi, _settings, _watchdog
 __all__ = [
     "World",
     "check_comm",
+    "in_loader_worker",
     "init",
     "jax_comm",
     "local_rank",
@@ -57,13 +58,31 @@ def _cli_is_starting() -> bool:
     return len(argv) > 1 and os.path.basename(argv[1]) in ("jaxddp", "jaxddp.exe")
 
 
+def in_loader_worker() -> bool:
+    """True in a process that ``multiprocessing`` started by spawn or forkserver from a rank
+    of a launched job: a data-loading worker (grain's ``mp_prefetch``, a PyTorch DataLoader
+    with the spawn context) that imports jaxddp while unpickling its work.
+
+    Such a process inherits the launcher's variables but not its connection to the launcher
+    (``PMI_FD`` names a descriptor it does not have), so ``MPI_Init`` there aborts, and the
+    pool starts the worker again, forever. jaxddp leaves MPI alone in it instead.
+    """
+    import multiprocessing
+
+    child = multiprocessing.parent_process() is not None
+    # while a spawned child unpickles its work, before parent_process() is set
+    child = child or bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+    return child and _launcher.kinds.detect(os.environ).kind is not _launcher.Kind.NONE
+
+
 def start() -> None:
     """What ``import jaxddp`` does: the guard before ``MPI_Init``, then ``MPI_Init``.
 
     When the program initialized MPI itself first, only the silent-singleton check runs;
-    when it asked mpi4py not to initialize, MPI stays uninitialized until first use.
+    when it asked mpi4py not to initialize, MPI stays uninitialized until first use. In a
+    data-loading worker (:func:`in_loader_worker`) nothing starts.
     """
-    if _cli_is_starting():
+    if _cli_is_starting() or in_loader_worker():
         return
     MPI = _mpi.load()
     if not MPI.Is_initialized():
@@ -104,6 +123,15 @@ def init() -> World:
     with _lock:
         if _world is None:
             MPI = _mpi.load()
+            if not MPI.Is_initialized() and in_loader_worker():
+                msg = (
+                    "jaxddp's MPI world is not available in a data-loading worker process "
+                    f"(pid {os.getpid()}, started by multiprocessing from a rank of an MPI "
+                    "job): MPI cannot start there. Call jaxddp's collectives, "
+                    "DistributedSampler and jaxddp.rank() in the training process, and "
+                    "pass workers what they need (indices, rank) as plain values."
+                )
+                raise RuntimeError(msg)
             if not MPI.Is_initialized():
                 _launcher.guard(MPI)
                 with _watchdog.startup_guard():

@@ -28,6 +28,7 @@ from tests.mpi_plugin import (
 # are what each took on its own on the 2-core machine (2026-12-01, serial run); only their
 # order matters.
 SHARED_LAUNCHES = {
+    "test_docs_examples.py": 250,
     "test_examples.py": 200,
     "test_checkpoint_resume.py": 190,
     "test_harness.py": 75,

@@ -1,0 +1,21 @@
+"""grain, fed from :class:`jaxddp.DistributedSampler`: ``pip install 'jaxddp[grain]'``.
+
+:func:`batches` is :meth:`jaxddp.DistributedSampler.batches` with the samples read by a
+grain pipeline: every rank gets its interleaved, padded batches with their masks, and the
+iterator's state is the sampler's. Importing this module also makes grain's
+``ShardByJaxProcess`` refuse to shard under MPI, where JAX sees one process per rank.
+"""
+
+from __future__ import annotations
+
+try:
+    import grain as _grain  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the environment
+    from ._loaders import missing
+
+    problem = missing("grain", "grain", error)
+    raise problem from None
+
+from ._loaders.grain import ShardedBatches, batches
+
+__all__ = ["ShardedBatches", "batches"]
