@@ -16,7 +16,6 @@ import numpy as np
 import optax
 
 from . import _comm, _settings
-from ._consistency import check_same_tree
 
 __all__ = ["allreduce_gradients", "resolve_unused_parameters"]
 
@@ -162,8 +161,7 @@ def allreduce_gradients(
                 "`tx.update(grads, opt_state, params)` with the parameters."
             )
             raise ValueError(msg)
-        if check:
-            check_same_tree(updates, what="gradient tree", comm=comm)
-        return _comm.allreduce(updates, op, comm=comm), state
+        reduced = _comm.reduce_all(updates, op, comm=comm, check=check, what="gradient tree")
+        return reduced, state
 
     return optax.GradientTransformation(init_fn, update_fn)
