@@ -45,6 +45,7 @@ __all__ = [
 ]
 
 _OPS = ("sum", "mean", "max", "min")
+_UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 
 
 @functools.cache
@@ -341,14 +342,28 @@ def reduce_all(
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     mpi_op = _mpi_op(op)
     concrete = not any(isinstance(x, Tracer) for x in leaves)
-    if size > 1:
-        _signature.check_call(
-            host_comm, call, what=what, check=check, traced=not concrete, op=op, tree=tree
+
+    def agree(payload: Any = None) -> Any:  # the signature check, once per call
+        return _signature.check_call(
+            host_comm,
+            call,
+            what=what,
+            check=check,
+            traced=not concrete,
+            op=op,
+            tree=tree,
+            flat=(leaves, treedef),
+            payload=payload,
         )
+
     if concrete:  # the common case first, kept short: a few float metrics
-        metrics = _host.metrics(leaves, mpi_op, host_comm, size, mean=op == "mean")
+        metrics = _host.metrics(
+            leaves, mpi_op, host_comm, size, mean=op == "mean", ufunc=_UFUNCS[op], agree=agree
+        )
         if metrics is not None:
             return jax.tree_util.tree_unflatten(treedef, metrics)
+    if size > 1:
+        agree()
     check_reducible(tree, leaves, op, "allreduce")
     if concrete:
         leaves = [np.asarray(x) for x in leaves]
@@ -435,6 +450,7 @@ def _rooted(
             op=op,
             root=root,
             tree=tree,
+            flat=(leaves, treedef),
         )
     if op is not None:
         check_reducible(tree, leaves, op, "reduce", others_pass=True)

@@ -105,17 +105,21 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
     else:  # one value per sample, the common case: kept short
         buffer = np.array([np.add.reduce(picked, dtype=wide), len(picked)], wide)
     _, size, _, host_comm = _channels(comm)
-    if size > 1 and _signature.enabled():
-        key = ("masked_mean", buffer.dtype, tail)
-        _signature.agree(
-            host_comm,
-            key,
-            lambda: _host_signature(buffer.dtype, tail),
-            what="values of `masked_mean`",
-            traced=False,
-        )
     if size > 1:
-        host_comm.Allreduce(_host.in_place(), buffer, _mpi_op("sum"))
+        rows = None
+        if _signature.enabled():  # the sums and the count travel with the check if they fit
+            rows = _signature.agree(
+                host_comm,
+                ("masked_mean", buffer.dtype, tail),
+                lambda: _host_signature(buffer.dtype, tail),
+                what="values of `masked_mean`",
+                traced=False,
+                payload=buffer,
+            )
+        if rows is None:
+            host_comm.Allreduce(_host.in_place(), buffer, _mpi_op("sum"))
+        else:
+            np.add.reduce(rows, axis=0, out=buffer)
     if buffer[-1] == 0:  # no rank has a real entry
         return np.full(tail, np.nan, dtype)
     return np.asarray((buffer[:-1] / buffer[-1]).reshape(tail), dtype)
@@ -125,4 +129,4 @@ def _host_signature(wide: Any, tail: tuple[int, ...]) -> _signature.Signature:
     """What the ranks must agree on before a masked mean's buffer travels: its dtype and
     the shape of one sample (the sums of one sample's entries, then the count)."""
     kind = f"{np.dtype(wide).name}[{','.join(map(str, tail))}]"
-    return ("masked_mean", "outside jax.jit", "sum", None, [("one sample of `values`", kind)])
+    return ("masked_mean", "sum", None, [("one sample of `values`", kind)])

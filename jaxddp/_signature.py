@@ -4,22 +4,26 @@ Ranks that pass a float32 leaf against an int32 one, ``"sum"`` against ``"max"``
 different ``root`` make MPI combine bytes that do not belong together (garbage, exit status
 0) or wait for each other forever; a shape or tree of another size ends in MPI's own abort
 ("Message truncated"). Before its data travel, every jaxddp collective makes its ranks
-agree on its *signature*: which collective, inside or outside ``jax.jit``, its ``op`` and
-``root``, and the path, dtype and shape of every leaf (never values).
+agree on its *signature*: which collective, its ``op`` and ``root``, and the path, dtype and
+shape of every leaf (never values). The first message is the same MPI call on every rank
+whatever the signature, so it cannot itself be mismatched; on a difference every rank
+gathers every rank's signature and raises :class:`TreeMismatchError` naming the first
+difference and each rank's value. Nothing else was sent, so the communicator is as clean
+as before the call.
 
-The signature travels as a 62-bit digest ``h`` in one message, the same on every rank
-whatever the call: an ``Iallreduce`` with ``MPI.MAX`` of ``[h, -h]``, which gives
-``[max h, -min h]``: all digests are equal exactly when the two agree. Only then do the data
-travel. Otherwise every rank gathers every rank's signature and raises
-:class:`TreeMismatchError` naming the first difference and each rank's value; nothing else
-was sent, so the communicator is as clean as before the call.
+* Outside ``jax.jit`` the signature's 62-bit digest travels in a block of :data:`BLOCK`
+  bytes that every rank gathers (``Allgather``); a small reduction (a few metrics, a masked
+  mean's sum and count) travels in the same block and every rank reduces the gathered rows
+  itself, so such a call is still one message. Larger data travel after it. The digest of
+  a signature is cached, so a repeated call pays a dictionary look-up. Above
+  :data:`FUSED_RANKS` ranks the digest goes alone, as an ``Allreduce`` of two int64.
+* Inside ``jax.jit`` the signature is static: the check runs while the step is traced,
+  once per compilation, and costs a compiled step nothing. It is an ``Iallreduce`` with
+  ``MPI.MAX`` of ``[h, -h]`` (``[max h, -min h]``: equal digests exactly when the two
+  agree) given up on after ``JAXDDP_CHECK_TIMEOUT`` seconds: a rank that does not arrive
+  (a step traced on some ranks only) makes the others raise TimeoutError.
 
-Outside ``jax.jit`` that message is one more tiny collective per call (the digest of a
-signature is cached, so a repeated call pays a dictionary look-up and that message). Inside
-``jax.jit`` the signature is static: the check runs while the step is traced, once per
-compilation, and costs a compiled step nothing; there a rank that does not arrive within
-``JAXDDP_CHECK_TIMEOUT`` seconds (a step traced on some ranks only) makes the others raise
-TimeoutError. ``JAXDDP_CHECK=0`` turns every such check off.
+``JAXDDP_CHECK=0`` turns every such check off.
 """
 
 from __future__ import annotations
@@ -117,26 +121,18 @@ def explain(descriptions: list[list[tuple[str, str]]], what: str) -> str:
     )
 
 
+@functools.cache
 def enabled() -> bool:
-    """``JAXDDP_CHECK``: whether collectives check their signatures (on by default)."""
+    """``JAXDDP_CHECK``: whether collectives check their signatures (on by default); read
+    once, at the first collective (a per-call read of the environment costs a microsecond
+    or two). ``enabled.cache_clear()`` reads it again."""
     return _settings.check_trees()
 
 
-# A signature: (call, where, op, root, [(path, kind), ...]), where `call` names the
-# collective, `where` is "inside jax.jit" or "outside jax.jit". Portable: the same bytes on
-# every rank for the same call (no ids, no hash randomization), so its digest is too.
-Signature = tuple[str, str, Any, Any, list[tuple[str, str]]]
-
-
-def _leaf_key(x: Any) -> Any:
-    """What decides a leaf's part of the signature, cheaply and hashably (this rank only)."""
-    t = type(x)
-    if t in _NUMBERS:
-        return t
-    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
-    if shape is None or dtype is None:
-        return t
-    return (shape, dtype)
+# A signature: (call, op, root, [(path, kind), ...]), where `call` names the collective.
+# Portable: the same bytes on every rank for the same call (no ids, no hash randomization),
+# so its digest is too.
+Signature = tuple[str, Any, Any, list[tuple[str, str]]]
 
 
 def check_call(
@@ -146,24 +142,28 @@ def check_call(
     what: str,
     traced: bool,
     tree: Any,
+    flat: tuple[list[Any], Any],
     op: Any = None,
     root: Any = None,
     check: bool | None = None,
-) -> None:
-    """:func:`agree` on the signature of collective ``call`` of ``tree``, unless ``check``
-    (None: ``JAXDDP_CHECK``) is off. A collective over ``comm`` when on."""
+    payload: np.ndarray | None = None,
+) -> np.ndarray | None:
+    """:func:`agree` on the signature of collective ``call`` of ``tree`` (``flat``: its leaves
+    and treedef), unless ``check`` (None: ``JAXDDP_CHECK``) is off; a collective over
+    ``comm`` when on. Returns what :func:`agree` does (None when off)."""
     if check is False or (check is None and not enabled()):
-        return
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    key = (call, traced, op, root, treedef, tuple(map(_leaf_key, leaves)))
+        return None
+    leaves, treedef = flat
+    # what decides each leaf's part of the signature, cheaply and hashably (this rank only):
+    # an array's shape and dtype, anything else's type
+    kinds = tuple([(type(x), getattr(x, "shape", None), getattr(x, "dtype", None)) for x in leaves])
+    key = (call, traced, op, root, treedef, kinds)
 
     def signature() -> Signature:
-        where = "inside jax.jit" if traced else "outside jax.jit"
         flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-        described = [(jax.tree_util.keystr(p), leaf_kind(x)) for p, x in flat]
-        return (call, where, op, root, described)
+        return (call, op, root, [(jax.tree_util.keystr(p), leaf_kind(x)) for p, x in flat])
 
-    agree(comm, key, signature, what=what, traced=traced)
+    return agree(comm, key, signature, what=what, traced=traced, payload=payload)
 
 
 _MAX_CACHED = 4096
@@ -196,35 +196,74 @@ def _mpi() -> Any:
     return MPI
 
 
+# Outside jax.jit, on up to FUSED_RANKS ranks, the digest travels in a block of BLOCK bytes
+# that every rank gathers: the digest in its first 8 bytes, and from byte HEADER on the data
+# of a small reduction (a few metrics, a masked mean's sum and count) when they fit, which
+# every rank then reduces itself, in rank order: identical on every rank, one message.
+BLOCK = 128
+HEADER = 16  # a multiple of every itemsize, complex128's included
+PAYLOAD = BLOCK - HEADER
+FUSED_RANKS = 64
+
+
+@functools.cache
+def _blocks(size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The gather's send and receive buffers, allocated once (an eager collective is never
+    called from two threads on one communicator at a time)."""
+    return np.zeros(BLOCK, np.uint8), np.zeros(size * BLOCK, np.uint8)
+
+
+def _gather(comm: Any, digest: int, payload: np.ndarray | None) -> tuple[bool, Any]:
+    """Outside jit: whether every rank has this digest, and (when ``payload`` travelled)
+    every rank's payload as rows of its dtype."""
+    size = comm.Get_size()
+    if size > FUSED_RANKS:  # many ranks: two int64 reduced, the data travels after
+        buffer = np.array([digest, -digest], np.int64)
+        comm.Allreduce(_mpi().IN_PLACE, buffer, _mpi().MAX)
+        return int(buffer[0]) == -int(buffer[1]), None
+    send, received = _blocks(size)
+    send.view(np.int64)[0] = digest
+    if payload is not None:
+        send[HEADER : HEADER + payload.nbytes] = payload.view(np.uint8)
+    comm.Allgather(send, received)
+    digests = received.view(np.int64)[:: BLOCK // 8]
+    if not (digests == digest).all():
+        return False, None
+    if payload is None:
+        return True, None
+    itemsize = payload.dtype.itemsize
+    rows = received.view(payload.dtype).reshape(size, BLOCK // itemsize)
+    return True, rows[:, HEADER // itemsize : HEADER // itemsize + payload.size]
+
+
 # Requests given up on at their deadline, kept with their buffers: MPI may still write into
 # them if the missing ranks arrive later, so they must never be freed.
 _abandoned: list[Any] = []
 
 
-def _exchange(comm: Any, digest: int, timeout: float | None, what: str) -> bool:
-    """Whether every rank of ``comm`` has this digest: one ``Iallreduce`` of two int64,
-    waited for (``timeout`` None) or given up on after ``timeout`` seconds (TimeoutError)."""
+def _exchange(comm: Any, digest: int, timeout: float, what: str) -> bool:
+    """Inside jit (at trace time): whether every rank of ``comm`` has this digest, from one
+    ``Iallreduce`` with ``MPI.MAX`` of ``[digest, -digest]``, given up on after ``timeout``
+    seconds (TimeoutError)."""
     MPI = _mpi()
     buffer = np.array([digest, -digest], np.int64)
     request = comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.MAX)
-    if timeout is None:
-        request.Wait()
-    else:
-        deadline = time.monotonic() + timeout
-        pause = 1e-5
-        while not request.Test():
-            if time.monotonic() > deadline:
-                _abandoned.append((request, buffer))
-                msg = (
-                    f"Rank {comm.Get_rank()} waited {timeout:g} s in jaxddp's check of the "
-                    f"{what} and not every rank arrived: some rank is running different code "
-                    "(another branch, a loop that ended early, a step compiled again on some "
-                    f"ranks only). Raise the wait with {TIMEOUT_VARIABLE}=<seconds> if the "
-                    "ranks are just slow."
-                )
-                raise TimeoutError(msg)
-            time.sleep(pause)
-            pause = min(pause * 2, 1e-3)
+    deadline = time.monotonic() + timeout
+    pause = 1e-5
+    while not request.Test():
+        if time.monotonic() > deadline:
+            _abandoned.append((request, buffer))
+            msg = (
+                f"Rank {comm.Get_rank()} waited {timeout:g} s in jaxddp's check of the "
+                f"{what} and not every rank arrived: some rank is running different code "
+                "(another branch, a loop that ended early, a step compiled again on some "
+                f"ranks only, a collective called inside `jax.jit` on some ranks and outside "
+                f"it on others). Raise the wait with {TIMEOUT_VARIABLE}=<seconds> if the "
+                "ranks are just slow."
+            )
+            raise TimeoutError(msg)
+        time.sleep(pause)
+        pause = min(pause * 2, 1e-3)
     return int(buffer[0]) == -int(buffer[1])
 
 
@@ -234,7 +273,7 @@ def mismatch_message(everyone: list[Signature], what: str) -> str:
         " Every rank must call the same collectives in the same order with the same "
         "arguments, or MPI combines bytes that do not belong together or waits forever."
     )
-    for index, name in ((0, "the collective"), (1, "where it runs"), (2, "`op`"), (3, "`root`")):
+    for index, name in ((0, "the collective"), (1, "`op`"), (2, "`root`")):
         values = [s[index] for s in everyone]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
@@ -242,7 +281,7 @@ def mismatch_message(everyone: list[Signature], what: str) -> str:
                 f"The ranks called different collectives ({what}): {name} differs "
                 f"({per_rank})." + fix
             )
-    return explain([s[4] for s in everyone], what)
+    return explain([s[3] for s in everyone], what)
 
 
 def agree(
@@ -252,17 +291,28 @@ def agree(
     *,
     what: str,
     traced: bool,
-) -> None:
+    payload: np.ndarray | None = None,
+) -> np.ndarray | None:
     """Makes every rank of ``comm`` agree on a collective's signature before it sends data.
 
     ``key`` (hashable on this rank) caches the digest of ``signature()``. Raises
     :class:`TreeMismatchError` on every rank when the signatures differ; inside ``jax.jit``
     (``traced``), TimeoutError when some rank does not arrive within ``JAXDDP_CHECK_TIMEOUT``
     seconds. A collective over ``comm``: every rank of it must call it.
+
+    ``payload`` (outside jit; a contiguous 1-D array, part of the signature): data that may
+    travel with the digest. Returns every rank's ``payload`` as the rows of a
+    ``(ranks, payload.size)`` array when it did (at most :data:`PAYLOAD` bytes, at most
+    :data:`FUSED_RANKS` ranks), for the caller to reduce; None when the data must still be
+    sent.
     """
     digest, mine = _cached(key, signature)
-    timeout = _settings.check_timeout() if traced else None
-    if _exchange(comm, digest, timeout, what):
-        return
+    if traced:
+        same, rows = _exchange(comm, digest, _settings.check_timeout(), what), None
+    else:
+        fits = payload is not None and payload.nbytes <= PAYLOAD
+        same, rows = _gather(comm, digest, payload if fits else None)
+    if same:
+        return rows
     everyone = comm.allgather(mine)
     raise TreeMismatchError(mismatch_message(everyone, what))

@@ -85,16 +85,12 @@ def test_a_root_differing_on_one_rank_raises_on_every_rank(jit):
     _still_works()
 
 
-def test_different_collectives_and_jit_against_eager_are_named():
+def test_different_collectives_are_named():
     x = {"w": jnp.ones(2)}
     call = (lambda t: jaxddp.reduce(t, "sum")) if odd else jaxddp.allreduce
     pattern = rf"the collective differs \(rank 0: 'allreduce', .*rank {last}: 'reduce'\)"
     with pytest.raises(jaxddp.TreeMismatchError, match=pattern):
         call(x)
-    run = jax.jit(jaxddp.allreduce) if odd else jaxddp.allreduce
-    pattern = rf"rank 0: 'outside jax.jit', .*rank {last}: 'inside jax.jit'"
-    with pytest.raises(jaxddp.TreeMismatchError, match=pattern):
-        run(x)
     _still_works()
 
 
@@ -108,27 +104,41 @@ def test_masked_mean_of_samples_of_another_shape_raises_on_every_rank():
 
 
 def test_jitted_checks_run_once_per_compilation_eager_ones_every_call(monkeypatch):
-    seen = []
-    exchange = _signature._exchange
-    monkeypatch.setattr(
-        _signature, "_exchange", lambda *a: (seen.append(a[2]), exchange(*a))[1]
-    )
+    traced, eager = [], []
+    exchange, gather = _signature._exchange, _signature._gather
+    monkeypatch.setattr(_signature, "_exchange", lambda *a: (traced.append(1), exchange(*a))[1])
+    monkeypatch.setattr(_signature, "_gather", lambda *a: (eager.append(a[2]), gather(*a))[1])
     step = jax.jit(lambda t: jaxddp.allreduce(t, op="sum"))
     for i in range(10):
         out = step({"w": jnp.full(3, float(rank + i))})
-    assert len(seen) == 1  # traced once: one check, with a deadline (a trace-time check)
-    assert seen[0] is not None
+    assert (len(traced), len(eager)) == (1, 0)  # traced once: one check, at trace time
     np.testing.assert_allclose(out["w"], sum(r + 9 for r in range(size)))
-    for _ in range(5):
-        jaxddp.allreduce({"w": np.float32(rank)})
-    assert len(seen) == 6  # outside jit: one tiny message per call, waited for without deadline
-    assert seen[-1] is None
+    for i in range(5):
+        out = jaxddp.allreduce({"w": np.float32(rank + i), "n": np.float32(1)}, op="sum")
+        assert float(out["w"]) == sum(r + i for r in range(size))
+        assert float(out["n"]) == size
+    # outside jit: one message per call, the two float32 in it (nothing after it)
+    assert (len(traced), len(eager)) == (1, 5)
+    assert all(payload is not None and payload.nbytes == 8 for payload in eager)
+    out = jaxddp.allreduce({"big": np.full(100, rank, np.float32)}, op="max")
+    assert eager[-1] is None  # too big to travel with the check: sent after it
+    np.testing.assert_array_equal(out["big"], size - 1)
+    mean = jaxddp.masked_mean(np.arange(4.0) + rank, np.array([True, True, True, rank > 0]))
+    assert eager[-1] is not None  # the sum and the count, with the check
+    values = [v + r for r in range(size) for v in range(4) if v < 3 or r > 0]
+    np.testing.assert_allclose(mean, np.mean(values), rtol=1e-6)
 
 
 def test_off_with_the_environment(monkeypatch):
     monkeypatch.setenv("JAXDDP_CHECK", "0")
-    seen = []
-    monkeypatch.setattr(_signature, "_exchange", lambda *a: seen.append(1))
-    out = jaxddp.allreduce({"w": np.float32(rank)}, op="sum")
-    assert float(out["w"]) == sum(range(size))
-    assert seen == []
+    _signature.enabled.cache_clear()  # read once per process: read it again
+    try:
+        seen = []
+        monkeypatch.setattr(_signature, "_gather", lambda *a: seen.append(1))
+        out = jaxddp.allreduce({"w": np.float32(rank)}, op="sum")
+        assert float(out["w"]) == sum(range(size))
+        assert seen == []
+    finally:
+        monkeypatch.undo()
+        _signature.enabled.cache_clear()
+    assert _signature.enabled()
