@@ -88,7 +88,7 @@ def unchecked(fn: object) -> object:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=301)
     parser.add_argument("--out", type=Path)
