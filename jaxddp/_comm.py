@@ -289,8 +289,9 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
     :class:`jaxddp.TreeMismatchError` on every rank naming the first difference (inside
     ``jax.jit`` once per compilation; outside it a few metrics travel with the check in
     one message, larger trees after it; ``JAXDDP_CHECK=0`` turns the check off). Inside
-    ``jax.jit`` it adds no JAX effect, so the step keeps JAX's fast dispatch path. Outside it (concrete values: metrics, evaluation) the values go through mpi4py
-    directly and come back as NumPy arrays. It differentiates like ``jax.lax.psum``: the
+    ``jax.jit`` it adds no JAX effect, so the step keeps JAX's fast dispatch path. Outside
+    it (concrete values: metrics, evaluation) the values go through mpi4py directly and
+    come back as NumPy arrays. It differentiates like ``jax.lax.psum``: the
     cotangents are summed over the ranks (every rank computes the same result from every
     rank's values); ``"max"`` and ``"min"`` pass the gradient to the rank holding the
     extreme, shared equally among ranks that tie.
