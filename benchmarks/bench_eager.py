@@ -12,7 +12,9 @@ against the 8-byte buffer. ``least_*`` is the least any API taking these jax arr
 (reading them into NumPy, packing one buffer, the same ``Allreduce``): what is left of the
 target once that is paid. For contrast, the same calls jitted (``jax.jit(jaxddp.allreduce)``,
 ``jax.jit(jaxddp.masked_mean)``): with ``JAXDDP_TEST_COLLECTIVE_PATH=ordered`` those take the
-ordered-effect path, while the eager calls are the same NumPy path either way.
+ordered-effect path, while the eager calls are the same NumPy path either way. The eager
+calls run with the signature check every collective makes (one more tiny message) and
+without it (``*_unchecked``, as ``JAXDDP_CHECK=0``), taking turns in the same launch.
 Implementations take turns, one sample each per round; medians.
 """
 
@@ -32,7 +34,7 @@ import numpy as np
 
 import jaxddp
 from benchmarks.bench_allreduce import interleaved
-from jaxddp import _comm, _primitive
+from jaxddp import _comm, _primitive, _signature
 
 
 def mpi4py_allreduce(n: int, dtype: type) -> object:
@@ -67,8 +69,26 @@ def least_masked_mean(values: jax.Array, mask: jax.Array) -> object:
     return run
 
 
+def unchecked(fn: object) -> object:
+    """``fn`` with jaxddp's signature check off (what ``JAXDDP_CHECK=0`` does), to time the
+    check by difference in the same launch."""
+
+    def off() -> bool:
+        return False
+
+    def run() -> object:
+        _signature.enabled = off
+        try:
+            return fn()  # pyright: ignore[reportCallIssue]
+        finally:
+            _signature.enabled = checked
+
+    checked = _signature.enabled
+    return run
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=301)
     parser.add_argument("--out", type=Path)
@@ -87,6 +107,8 @@ def main() -> None:
         "least_masked_mean": least_masked_mean(values, mask),
         "allreduce_eager": lambda: jaxddp.allreduce(metrics),
         "masked_mean_eager": lambda: jaxddp.masked_mean(values, mask),
+        "allreduce_eager_unchecked": unchecked(lambda: jaxddp.allreduce(metrics)),
+        "masked_mean_eager_unchecked": unchecked(lambda: jaxddp.masked_mean(values, mask)),
         "allreduce_jit": lambda: jax.block_until_ready(jit_allreduce(metrics)),
         "masked_mean_jit": lambda: jax.block_until_ready(jit_masked_mean(values, mask)),
     }

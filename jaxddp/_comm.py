@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.core import Tracer
 
-from . import _host, _primitive, _progress
+from . import _host, _primitive, _progress, _signature
 from ._buckets import chunks, plan, split, wire_dtype
 from ._world import (
     init,
@@ -40,10 +40,12 @@ __all__ = [
     "py_comm",
     "rank",
     "reduce",
+    "reduce_all",
     "world_size",
 ]
 
 _OPS = ("sum", "mean", "max", "min")
+_UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}
 
 
 @functools.cache
@@ -282,10 +284,14 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
     """Reduces every leaf of a pytree across all ranks; usable inside and outside ``jax.jit``.
 
     Small leaves of one dtype travel together in a few flat buffers; large leaves travel
-    alone. Every rank must call it with a tree of the same structure, shapes and dtypes.
-    Inside ``jax.jit`` it adds no JAX effect, so the step keeps JAX's fast dispatch path.
-    Outside it (concrete values: metrics, evaluation) the values go through mpi4py
-    directly and come back as NumPy arrays. It differentiates like ``jax.lax.psum``: the
+    alone. Every rank must call it with a tree of the same structure, shapes and dtypes
+    and the same ``op``; before anything is sent the ranks check that they do, and raise
+    :class:`jaxddp.TreeMismatchError` on every rank naming the first difference (inside
+    ``jax.jit`` once per compilation; outside it a few metrics travel with the check in
+    one message, larger trees after it; ``JAXDDP_CHECK=0`` turns the check off). Inside
+    ``jax.jit`` it adds no JAX effect, so the step keeps JAX's fast dispatch path. Outside
+    it (concrete values: metrics, evaluation) the values go through mpi4py directly and
+    come back as NumPy arrays. It differentiates like ``jax.lax.psum``: the
     cotangents are summed over the ranks (every rank computes the same result from every
     rank's values); ``"max"`` and ``"min"`` pass the gradient to the rank holding the
     extreme, shared equally among ranks that tie.
@@ -318,15 +324,47 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
       >>> float(jaxddp.allreduce({"loss": 0.5})["loss"])  # outside jit: NumPy, no dispatch
       0.5
     """
+    return reduce_all(tree, op, comm=comm)
+
+
+def reduce_all(
+    tree: Any,
+    op: str,
+    *,
+    comm: Any = None,
+    check: bool | None = None,
+    what: str = "tree passed to `allreduce`",
+    call: str = "allreduce",
+) -> Any:
+    """:func:`allreduce`, with its signature check chosen (``check``; None: ``JAXDDP_CHECK``)
+    and described (``what``, ``call``) by the caller."""
     check_op(op)
     _, size, jax_comm, host_comm = _channels(comm)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     mpi_op = _mpi_op(op)
     concrete = not any(isinstance(x, Tracer) for x in leaves)
+
+    def agree(payload: Any = None) -> Any:  # the signature check, once per call
+        return _signature.check_call(
+            host_comm,
+            call,
+            what=what,
+            check=check,
+            traced=not concrete,
+            op=op,
+            tree=tree,
+            flat=(leaves, treedef),
+            payload=payload,
+        )
+
     if concrete:  # the common case first, kept short: a few float metrics
-        metrics = _host.metrics(leaves, mpi_op, host_comm, size, mean=op == "mean")
+        metrics = _host.metrics(
+            leaves, mpi_op, host_comm, size, mean=op == "mean", ufunc=_UFUNCS[op], agree=agree
+        )
         if metrics is not None:
             return jax.tree_util.tree_unflatten(treedef, metrics)
+    if size > 1:
+        agree()
     check_reducible(tree, leaves, op, "allreduce")
     if concrete:
         leaves = [np.asarray(x) for x in leaves]
@@ -402,6 +440,19 @@ def _rooted(
     rank, size, jax_comm, host_comm = _channels(comm)
     check_root(root, size)
     leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if size > 1:
+        concrete = all(_is_concrete(x) for x in leaves)
+        call = "broadcast" if op is None else "reduce"
+        _signature.check_call(
+            host_comm,
+            call,
+            what=f"tree passed to `{call}`",
+            traced=not concrete,
+            op=op,
+            root=root,
+            tree=tree,
+            flat=(leaves, treedef),
+        )
     if op is not None:
         check_reducible(tree, leaves, op, "reduce", others_pass=True)
     picked = [i for i, leaf in enumerate(leaves) if _is_number_or_array(leaf)]
@@ -453,8 +504,8 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
     unchanged; the others keep their kind (a jax array stays a jax array, a number a
     number). Typed PRNG keys (``jax.random.key``, the keys of ``flax.nnx.Rngs``) travel as
     their key data and come back as keys of the same implementation. Every rank must pass
-    a tree of the same structure, shapes and dtypes; use :func:`jaxddp.synchronize` to have
-    that checked first. Works inside ``jax.jit``.
+    a tree of the same structure, shapes and dtypes and the same ``root``; the ranks check
+    that first, as :func:`allreduce` does. Works inside ``jax.jit``.
 
     Example:
       >>> import jax.numpy as jnp, jaxddp

@@ -18,10 +18,11 @@ import pickle
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from . import _comm, _settings, _world
+from ._signature import TreeMismatchError, describe_tree
+from ._signature import explain as _explain
 
 __all__ = [
     "TreeMismatchError",
@@ -35,66 +36,6 @@ __all__ = [
 ]
 
 TIMEOUT_VARIABLE = _settings.CHECK_TIMEOUT.name
-
-
-class TreeMismatchError(RuntimeError):
-    """Ranks passed trees of different structure, shapes or dtypes to a collective."""
-
-
-def describe_tree(tree: Any) -> list[tuple[str, str]]:
-    """``(path, "dtype[shape]")`` for every leaf, in order; ``None`` leaves say ``None``.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> describe_tree({"w": jnp.zeros((2, 3)), "b": None})
-      [("['b']", 'None'), ("['w']", 'float32[2,3]')]
-    """
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
-    return [(jax.tree_util.keystr(path), _leaf_kind(leaf)) for path, leaf in flat]
-
-
-def _leaf_kind(leaf: Any) -> str:
-    if leaf is None:
-        return "None"
-    shape, dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
-    if shape is None or dtype is None:
-        return type(leaf).__name__
-    name = np.dtype(dtype).name if isinstance(dtype, np.dtype) else str(dtype)  # key<fry>
-    return f"{name}[{','.join(map(str, shape))}]"
-
-
-def _explain(descriptions: list[list[tuple[str, str]]], what: str) -> str:
-    """The message for ranks whose descriptions differ: the first differing path first."""
-    per_rank = [dict(d) for d in descriptions]
-    paths: list[str] = []
-    seen: set[str] = set()
-    for description in descriptions:
-        for path, _ in description:
-            if path not in seen:
-                seen.add(path)
-                paths.append(path)
-    differing = [p for p in paths if len({d.get(p, "nothing") for d in per_rank}) > 1]
-    orders = {tuple(p for p, _ in d) for d in descriptions}
-    if not differing and len(orders) > 1:
-        return (
-            f"The {what} has the same leaves on every rank but in a different order "
-            "(a dict built in a rank-dependent order?). Every rank must pass a tree of "
-            "the same structure."
-        )
-    first = differing[0]
-    holders = ", ".join(f"rank {r} has {d.get(first, 'nothing')}" for r, d in enumerate(per_rank))
-    return (
-        f"The {what} differs across ranks at `{first}`: {holders}. "
-        f"{len(differing)} of {len(paths)} paths differ. Every rank must pass a tree of the "
-        "same structure, shapes and dtypes to a collective, or the ranks call different MPI "
-        "operations and wait for each other forever."
-        + (
-            " If some ranks leave gradients out (conditional branches, filters, frozen "
-            "parts), pass `params` to the update so jaxddp fills them with zeros."
-            if "gradient" in what
-            else ""
-        )
-    )
 
 
 # Requests given up on at their deadline, kept with their buffers: MPI may still write into

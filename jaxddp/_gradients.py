@@ -16,7 +16,6 @@ import numpy as np
 import optax
 
 from . import _comm, _settings
-from ._consistency import check_same_tree
 
 __all__ = ["allreduce_gradients", "resolve_unused_parameters"]
 
@@ -120,13 +119,14 @@ def allreduce_gradients(
       comm: an mpi4py communicator to reduce over; by default jaxddp's private clone of
         ``COMM_WORLD``. Do not use the same communicator for mpi4py calls. The check, too,
         runs over its ranks only (on a private duplicate of it).
-      check: compare the ranks' gradient trees (paths, shapes, dtypes) before reducing and
-        raise :class:`jaxddp.TreeMismatchError` on every rank if they differ, instead of
-        hanging or reducing garbage (a float32 leaf against an int32 one, a (2, 3) against
-        a (3, 2)). The check runs when the update is traced, so a jitted step pays for it
-        once per compilation (one small allgather) and not per step; an update called
-        outside ``jax.jit`` pays it on every call. Defaults to the environment variable
-        ``JAXDDP_CHECK``: on, unless set to ``0``, ``false``, ``no`` or ``off``.
+      check: compare the ranks' gradient trees (paths, shapes, dtypes) and ``op`` before
+        reducing and raise :class:`jaxddp.TreeMismatchError` on every rank if they differ,
+        instead of hanging or reducing garbage (a float32 leaf against an int32 one, a
+        (2, 3) against a (3, 2)): the signature check every jaxddp collective makes. It
+        runs when the update is traced, so a jitted step pays for it once per compilation
+        (one small message) and not per step; an update called outside ``jax.jit`` pays
+        one small message per call. Defaults to the environment variable ``JAXDDP_CHECK``:
+        on, unless set to ``0``, ``false``, ``no`` or ``off``.
 
     Returns:
       An ``optax.GradientTransformation`` with an empty state.
@@ -162,8 +162,7 @@ def allreduce_gradients(
                 "`tx.update(grads, opt_state, params)` with the parameters."
             )
             raise ValueError(msg)
-        if check:
-            check_same_tree(updates, what="gradient tree", comm=comm)
-        return _comm.allreduce(updates, op, comm=comm), state
+        reduced = _comm.reduce_all(updates, op, comm=comm, check=check, what="gradient tree")
+        return reduced, state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -56,12 +56,26 @@ def _apply(
 _METRIC_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64"))
 
 
-def metrics(leaves: list[Any], op: Any, comm: Any, size: int, *, mean: bool) -> list[Any] | None:
+def metrics(
+    leaves: list[Any],
+    op: Any,
+    comm: Any,
+    size: int,
+    *,
+    mean: bool,
+    ufunc: Any,
+    agree: Any,
+) -> list[Any] | None:
     """``allreduce`` of a few concrete float32 or float64 arrays of one dtype (what a
     training loop logs every step), kept short: one buffer, one MPI call, the mean divided
     in place. None when the leaves are anything else (other dtypes, numbers, many bytes),
     for the general path to handle; decided from their dtypes alone, the same on every
-    rank whose tree matches."""
+    rank whose tree matches, before anything is sent.
+
+    ``agree(buffer)`` is the signature check (:mod:`jaxddp._signature`): when it returns
+    every rank's buffer as rows, the buffer travelled with it and ``ufunc`` (the NumPy
+    counterpart of the MPI ``op``) reduces them here; when it returns None, the buffer
+    travels in an ``Allreduce``."""
     dtype = getattr(leaves[0], "dtype", None) if leaves else None
     if dtype is None or dtype not in _METRIC_DTYPES:
         return None
@@ -81,7 +95,11 @@ def metrics(leaves: list[Any], op: Any, comm: Any, size: int, *, mean: bool) -> 
         buffer = np.concatenate([a.ravel() for a in arrays])  # a copy, even of one
         pieces = arrays
     if size > 1:
-        comm.Allreduce(in_place(), buffer, op)
+        rows = agree(buffer)
+        if rows is None:
+            comm.Allreduce(in_place(), buffer, op)
+        else:
+            ufunc.reduce(rows, axis=0, out=buffer)
     if mean:
         np.divide(buffer, size, out=buffer)
     if pieces is None:

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _host
-from ._comm import _channels, _is_concrete, _mpi_op, allreduce
+from . import _host, _signature
+from ._comm import _channels, _is_concrete, _mpi_op, reduce_all
 
 __all__ = ["masked_mean"]
 
@@ -63,7 +63,13 @@ def masked_mean(values: Any, mask: Any, *, comm: Any = None) -> jax.Array:
     axes = tuple(range(mask.ndim))
     total = jnp.sum(jnp.where(where, values.astype(wide), jnp.zeros((), wide)), axis=axes)
     count = jnp.sum(mask, dtype=jnp.int32)
-    reduced = allreduce({"total": total, "count": count}, op="sum", comm=comm)
+    reduced = reduce_all(
+        {"total": total, "count": count},
+        "sum",
+        comm=comm,
+        what="values of `masked_mean`",
+        call="masked_mean",
+    )
     return (reduced["total"] / reduced["count"].astype(wide)).astype(dtype)
 
 
@@ -100,7 +106,27 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
         buffer = np.array([np.add.reduce(picked, dtype=wide), len(picked)], wide)
     _, size, _, host_comm = _channels(comm)
     if size > 1:
-        host_comm.Allreduce(_host.in_place(), buffer, _mpi_op("sum"))
+        rows = None
+        if _signature.enabled():  # the sums and the count travel with the check if they fit
+            rows = _signature.agree(
+                host_comm,
+                ("masked_mean", buffer.dtype, tail),
+                lambda: _host_signature(buffer.dtype, tail),
+                what="values of `masked_mean`",
+                traced=False,
+                payload=buffer,
+            )
+        if rows is None:
+            host_comm.Allreduce(_host.in_place(), buffer, _mpi_op("sum"))
+        else:
+            np.add.reduce(rows, axis=0, out=buffer)
     if buffer[-1] == 0:  # no rank has a real entry
         return np.full(tail, np.nan, dtype)
     return np.asarray((buffer[:-1] / buffer[-1]).reshape(tail), dtype)
+
+
+def _host_signature(wide: Any, tail: tuple[int, ...]) -> _signature.Signature:
+    """What the ranks must agree on before a masked mean's buffer travels: its dtype and
+    the shape of one sample (the sums of one sample's entries, then the count)."""
+    kind = f"{np.dtype(wide).name}[{','.join(map(str, tail))}]"
+    return ("masked_mean", "sum", None, [("one sample of `values`", kind)])

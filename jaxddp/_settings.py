@@ -75,10 +75,12 @@ CHECK = Setting(
     "JAXDDP_CHECK",
     "a boolean",
     "on",
-    "The default of `allreduce_gradients(check=...)`: compare the ranks' gradient trees "
-    "before reducing and raise `TreeMismatchError` instead of hanging or reducing garbage. "
-    "Under `jax.jit` it runs once per compilation; off saves one small message per call of "
-    "an update outside `jax.jit`.",
+    "Every collective (`allreduce`, `broadcast`, `reduce`, `masked_mean`, "
+    "`allreduce_gradients()`, whose `check=` overrides it) first makes the ranks agree on its "
+    "signature (tree, shapes, dtypes, `op`, `root`) and raises `TreeMismatchError` on every "
+    "rank instead of reducing garbage, aborting in MPI or hanging. Under `jax.jit` it runs "
+    "once per compilation; outside it, a few metrics travel with the check in one message "
+    "and larger data after it. Read once, at the first collective.",
 )
 CHECK_TIMEOUT = Setting(
     "JAXDDP_CHECK_TIMEOUT",
@@ -179,7 +181,8 @@ def skip_launcher_check(env: Mapping[str, str] | None = None) -> SkipLevel:
 
 
 def check_trees(env: Mapping[str, str] | None = None) -> bool:
-    """``JAXDDP_CHECK``: whether ``allreduce_gradients`` checks the trees by default."""
+    """``JAXDDP_CHECK``: whether collectives check their signatures (and
+    ``allreduce_gradients`` its trees) by default."""
     return _boolean(CHECK, _raw(CHECK, env), default=True)
 
 

@@ -220,13 +220,12 @@ def _install_abort_on_error(world: World) -> None:
 
     def abort_on_error(exc_type: Any, exc: Any, tb: Any) -> None:
         previous(exc_type, exc, tb)
-        sys.stderr.write(
+        _watchdog.abort_job(
+            1,
             f"jaxddp: rank {world.rank} of {world.size} raised an uncaught exception; "
             "aborting every rank with MPI_Abort so that none waits forever "
-            "(set JAXDDP_ABORT_ON_ERROR=0 to turn this off).\n"
+            "(set JAXDDP_ABORT_ON_ERROR=0 to turn this off).\n",
         )
-        sys.stderr.flush()
-        mpi().COMM_WORLD.Abort(1)
 
     sys.excepthook = abort_on_error
     _exit.install()
@@ -236,13 +235,13 @@ def _install_abort_on_error(world: World) -> None:
 def _abort_on_exit_status(world: World) -> None:
     """At exit: a rank that called ``sys.exit`` with a failure ends the job, as an uncaught
     exception does (MPI would otherwise finalize it and leave the others waiting)."""
+    _watchdog.flush_streams()  # another rank may abort the job while this one finalizes
     status = _exit.nonzero()
     if status is None:
         return
-    sys.stderr.write(
+    _watchdog.abort_job(
+        status,
         f"jaxddp: rank {world.rank} of {world.size} called sys.exit({_exit.status!r}) at "
         f"{_exit.where}; aborting every rank with MPI_Abort so that none waits forever "
-        "(set JAXDDP_ABORT_ON_ERROR=0 to turn this off).\n"
+        "(set JAXDDP_ABORT_ON_ERROR=0 to turn this off).\n",
     )
-    sys.stderr.flush()
-    mpi().COMM_WORLD.Abort(status)

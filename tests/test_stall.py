@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness import launch
+from tests.harness import default_mpiexec, launch
 
 pytestmark = pytest.mark.slow  # real launches that wait through stall timers
 
@@ -115,6 +117,49 @@ def test_a_stopped_rank_is_named_as_not_answering(np):
     last = np - 1
     assert behind(report) == str(last), report
     assert f"rank {last}: DID NOT ANSWER" in report
+
+
+@pytest.mark.parametrize("np", SIZES)
+def test_rank_0_blocked_holding_the_gil_is_named_and_aborted_by_rank_1(np):
+    """Rank 0 leads the stall inspector; with its GIL held in C code none of its Python
+    threads runs, so rank 1 stands in: it names rank 0 and aborts the job itself."""
+    result = run("gil0", np)
+    log = result.rank_logs["1"]
+    assert "==== jaxddp stall report" in log, result.report()
+    report = log.split("==== jaxddp stall report")[-1]
+    assert behind(report).startswith("0"), report
+    assert "rank 0: DID NOT ANSWER" in report
+    assert "reported by rank 1: rank 0, whose stall inspector leads" in report
+    assert "aborting every rank with MPI_Abort" in report
+    for r in range(1, np):
+        assert "waiting in the compiled function `step`" in rank_lines(report, r), report
+
+
+@pytest.mark.parametrize("mode", ["exit", "wait"])
+def test_lines_printed_before_another_rank_aborts_reach_the_file(mode, tmp_path):
+    """The job's stdout redirected to a file, Python's buffered (``PYTHONUNBUFFERED`` empty):
+    the lines both ranks printed without flushing used to die in their buffers when the last
+    rank's ``sys.exit(1)`` (rank 0 waiting at its exit) or exception (rank 0 waiting in a
+    collective) aborted the job."""
+    env = dict(os.environ, PYTHONUNBUFFERED="")
+    out = tmp_path / "out.txt"
+    # run through `python -c`, as a program started by a launcher script: there the lines
+    # were lost every time (from a script file, Python's own exit path kept them for `exit`)
+    script = str(SCRIPTS / "abort_output.py")
+    code = (
+        f"import runpy, sys; sys.argv = [{script!r}, {mode!r}]; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    command = [default_mpiexec(), "-n", "2", sys.executable, "-c", code]
+    with out.open("w") as f:
+        done = subprocess.run(
+            command, check=False, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=60
+        )
+    text = out.read_text()
+    assert done.returncode != 0, text
+    for r in (0, 1):
+        assert f"rank {r} printed this line and did not flush it" in text, text
+    assert "aborting every rank with MPI_Abort" in text, text
 
 
 @pytest.mark.parametrize("np", SIZES)

@@ -7,7 +7,10 @@ rank 0 decides. After ``JAXDDP_STALL_WARN`` seconds with no progress on any rank
 every rank for a snapshot (progress, label, seconds since its last progress, its main
 thread's stack) and prints one report, the ranks behind first; a rank that does not answer
 within a few seconds is named as such. After ``JAXDDP_STALL_ABORT`` seconds it prints the
-report and calls ``MPI_Abort``.
+report and calls ``MPI_Abort``. Rank 1 stands in for a rank 0 whose Python threads cannot
+run (its main thread holding the GIL in C code): it names rank 0 and aborts itself. Before
+any abort, every rank the aborting one can reach flushes its stdout and stderr
+(:func:`abort_job`).
 
 At exit every rank keeps its watchdog running until all ranks have reached their exit (a
 nonblocking barrier on the watchdog's communicator): a rank that left the loop early is then
@@ -23,6 +26,6 @@ seconds, it prints why and kills the rank.
 from .report import render
 from .stacks import folded_stack
 from .startup import startup_guard
-from .thread import start
+from .thread import abort_job, flush_streams, start
 
-__all__ = ["folded_stack", "render", "start", "startup_guard"]
+__all__ = ["abort_job", "flush_streams", "folded_stack", "render", "start", "startup_guard"]

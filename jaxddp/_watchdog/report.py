@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # -- the report ---------------------------------------------------------------------------
@@ -38,9 +39,10 @@ def render(
     for r in behind + others:
         entry = got[r]
         if not isinstance(entry, dict):
+            heard = "" if math.isnan(entry) else f"; last heard from {entry:.0f} s ago"
             lines.append(
                 f"rank {r}: DID NOT ANSWER (exited, killed, or blocked where Python cannot "
-                f"run); last heard from {entry:.0f} s ago"
+                f"run){heard}"
             )
             continue
         progress = f"progress {entry['count']} ({entry['label']}), last {entry['since']:.0f} s ago"

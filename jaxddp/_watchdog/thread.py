@@ -1,5 +1,16 @@
 """The watchdog thread: progress to rank 0 once a second, rank 0 decides when to report
 and when to abort; at exit, every rank waits for all to reach theirs.
+
+Rank 0's thread also tells rank 1 (its deputy) once a tick that it is alive. A rank 0 whose
+Python threads cannot run (its main thread blocked in C code that holds the GIL, a stopped
+process) tells nothing: once rank 1 has not heard from it for ``JAXDDP_STALL_WARN`` seconds
+plus the time a report may take, and has made no progress itself, rank 1 reports (rank 0 as
+not answering) and, after ``JAXDDP_STALL_ABORT`` seconds, aborts the job itself.
+
+Before any jaxddp abort (:func:`abort_job`: a stall, an uncaught exception, a failing
+``sys.exit``) the aborting rank writes its line and flushes, asks every rank's watchdog to
+flush its stdout and stderr, and waits a moment for their answers, so that what each rank
+printed reaches its file before ``MPI_Abort`` kills it.
 """
 
 from __future__ import annotations
@@ -19,6 +30,37 @@ from .report import render
 from .stacks import SHOWN_FRAMES, folded_stack
 
 _TAG_STATUS, _TAG_REQUEST, _TAG_REPORT = 7301, 7302, 7303
+_TAG_ALIVE, _TAG_FLUSH, _TAG_FLUSHED = 7304, 7305, 7306
+DEPUTY = 1  # the rank that watches rank 0's watchdog, and stands in for it
+NAP = 0.1  # seconds between two looks for a flush request
+FLUSH_GRACE = 1.0  # seconds an aborting rank waits for the others to have flushed
+
+
+def flush_streams() -> None:
+    """Flushes this process's stdout and stderr, never raising (a closed stream, a pipe
+    whose reader is gone)."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+
+
+def abort_job(status: int, line: str) -> None:
+    """Ends the whole job with ``MPI_Abort(status)``, its output kept: writes ``line`` to
+    stderr and flushes, asks every other rank to flush its own (through the watchdog, whose
+    thread answers even while the main thread waits in MPI) and waits at most
+    :data:`FLUSH_GRACE` seconds for their answers."""
+    with contextlib.suppress(Exception):
+        sys.stderr.write(line)
+    flush_streams()
+    dog = _watchdog
+    if isinstance(dog, _Watchdog):
+        with contextlib.suppress(Exception):
+            dog.flush_everyone(FLUSH_GRACE)
+    from mpi4py import MPI
+
+    MPI.COMM_WORLD.Abort(status)
+
 
 # -- the watchdog thread ------------------------------------------------------------------
 
@@ -74,10 +116,19 @@ class _Watchdog:
         self.progress_at = time.monotonic()
         self.reported_at: float | None = None
         self.seq = 0
+        # rank 1's view of rank 0's watchdog
+        self.lead_heard = time.monotonic()
+        self.alive = np.zeros(1, np.int64)
+        self.deputy_reported: float | None = None
+        self.flush_token = np.zeros(1, np.int64)
+        self._alive_send: Any = None
+        self._keep_flush: Any = None
 
     # the main thread, at exit
     def at_exit(self) -> None:
-        """Keeps answering until every rank has reached its exit; then lets MPI finalize."""
+        """Keeps answering until every rank has reached its exit; then lets MPI finalize.
+        Flushes first: another rank may abort the job while this one waits here."""
+        flush_streams()
         self.exited_at = time.monotonic()
         self.exiting.set()
         while self.thread.is_alive() and not self.done.wait(0.1):
@@ -100,12 +151,53 @@ class _Watchdog:
                 except Exception as exc:  # noqa: BLE001 - the inspector must never end the job
                     broken = True
                     sys.stderr.write(f"jaxddp: the stall inspector stopped: {exc!r}\n")
-            time.sleep(self.tick)
+            self._nap(self.tick)
         for request, _ in self.status_in:
             with contextlib.suppress(Exception):
                 request.Cancel()
                 request.Wait()
         self.done.set()
+
+    def _nap(self, seconds: float) -> None:
+        """Sleeps ``seconds``, looking every :data:`NAP` s for another rank's request to flush."""
+        end = time.monotonic() + seconds
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(NAP, left))
+            before = self._main_sleeps()
+            try:
+                self._answer_flush()
+            except Exception:  # noqa: BLE001 - never let a flush end the inspector
+                return
+            finally:
+                # the main thread's sleeps while this thread held MPI's lock: not progress
+                self.sleeps += self._main_sleeps() - before
+
+    def _answer_flush(self) -> None:
+        status = self.MPI.Status()
+        while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_TAG_FLUSH, status=status):
+            source = status.Get_source()
+            self.comm.Recv(self.flush_token, source=source, tag=_TAG_FLUSH)
+            flush_streams()
+            self.sends.append(self.comm.Isend(self.flush_token, dest=source, tag=_TAG_FLUSHED))
+
+    def flush_everyone(self, grace: float) -> None:
+        """Asks every other rank's watchdog to flush its stdout and stderr; waits at most
+        ``grace`` seconds for every answer. Callable from any thread."""
+        others = [r for r in range(self.size) if r != self.rank]
+        token = np.zeros(1, np.int64)
+        sent = [self.comm.Isend(token, dest=r, tag=_TAG_FLUSH) for r in others]
+        answers = [np.zeros(1, np.int64) for _ in others]
+        acks = [
+            self.comm.Irecv(b, source=r, tag=_TAG_FLUSHED)
+            for r, b in zip(others, answers, strict=True)
+        ]
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and not self.MPI.Request.Testall(acks):
+            time.sleep(0.005)
+        self._keep_flush = (sent, token, acks, answers)  # MPI may still use them
 
     def _moved(self) -> int:
         """Progress seen from outside, for loops that call no jaxddp function from Python
@@ -166,9 +258,42 @@ class _Watchdog:
             status = np.array([count, self.exiting.is_set()], np.int64)
             self.sends.append(self.comm.Isend(status, dest=0, tag=_TAG_STATUS))
             self._keep = status
-        while self.comm.Iprobe(source=0, tag=_TAG_REQUEST):
-            seq = self.comm.recv(source=0, tag=_TAG_REQUEST)
-            self.sends.append(self.comm.isend(self.snapshot(seq), dest=0, tag=_TAG_REPORT))
+        self._answer_requests()
+        if self.rank == DEPUTY:
+            self._deputize(now)
+
+    def _answer_requests(self) -> None:
+        """Answers a report's request (from rank 0, or from the deputy standing in for it)."""
+        status = self.MPI.Status()
+        while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_TAG_REQUEST, status=status):
+            seq, requester = self.comm.recv(source=status.Get_source(), tag=_TAG_REQUEST)
+            snapshot = self.snapshot(seq)
+            self.sends.append(self.comm.isend(snapshot, dest=requester, tag=_TAG_REPORT))
+
+    def _deputize(self, now: float) -> None:
+        """Rank 1: reports, and aborts, in rank 0's stead when rank 0's watchdog is silent
+        (its Python threads cannot run) and this rank has made no progress either."""
+        while self.comm.Iprobe(source=0, tag=_TAG_ALIVE):
+            self.comm.Recv(self.alive, source=0, tag=_TAG_ALIVE)
+            self.lead_heard = now
+        silent = now - self.lead_heard
+        if silent < self.warn + self.answer_within:
+            self.deputy_reported = None
+            return
+        stalled = min(silent, now - self.changed)
+        why = (
+            f"(reported by rank {self.rank}: rank 0, whose stall inspector leads, has not been "
+            f"heard from for {silent:.0f} s)\n"
+        )
+        if self.abort is not None and stalled >= self.abort:
+            text = render(self.gather(), stalled, self.warn, self.abort, aborting=True)
+            abort_job(1, text[:-1] + "\n" + why)
+        elif stalled >= self.warn and (
+            self.deputy_reported is None or now - self.deputy_reported >= self.warn
+        ):
+            text = render(self.gather(), stalled, self.warn, self.abort, aborting=False)
+            self._print(text + why)
+            self.deputy_reported = time.monotonic()
 
     def _post_status_receives(self) -> None:
         for r in range(1, self.size):
@@ -176,6 +301,10 @@ class _Watchdog:
             self.status_in.append((self.comm.Irecv(buffer, source=r, tag=_TAG_STATUS), buffer))
 
     def _lead(self, now: float) -> None:
+        if self.size > DEPUTY and not any(r is self._alive_send for r in self.sends):
+            self._alive_send = self.comm.Isend(self.alive, dest=DEPUTY, tag=_TAG_ALIVE)
+            self.sends.append(self._alive_send)
+        self._answer_requests()
         for r in range(1, self.size):
             request, buffer = self.status_in[r - 1]
             while request.Test():
@@ -194,8 +323,7 @@ class _Watchdog:
             return
         stalled = now - self.progress_at
         if self.abort is not None and stalled >= self.abort:
-            self._print(render(self.gather(), stalled, self.warn, self.abort, aborting=True))
-            self.MPI.COMM_WORLD.Abort(1)
+            abort_job(1, render(self.gather(), stalled, self.warn, self.abort, aborting=True))
         elif stalled >= self.warn and (
             self.reported_at is None or now - self.reported_at >= self.warn
         ):
@@ -238,9 +366,10 @@ class _Watchdog:
         rank 0 last heard from it."""
         self.seq += 1
         seq = self.seq
-        for r in range(1, self.size):
-            self.sends.append(self.comm.isend(seq, dest=r, tag=_TAG_REQUEST))
-        got: dict[int, dict[str, Any] | float] = {0: self.snapshot(seq)}
+        for r in range(self.size):
+            if r != self.rank:
+                self.sends.append(self.comm.isend((seq, self.rank), dest=r, tag=_TAG_REQUEST))
+        got: dict[int, dict[str, Any] | float] = {self.rank: self.snapshot(seq)}
         status = self.MPI.Status()
         deadline = time.monotonic() + self.answer_within
         while len(got) < self.size and time.monotonic() < deadline:
@@ -251,5 +380,8 @@ class _Watchdog:
             time.sleep(0.02)
         now = time.monotonic()
         for r in range(self.size):
-            got.setdefault(r, now - float(self.heard[r]))
+            if self.rank == 0:
+                got.setdefault(r, now - float(self.heard[r]))
+            else:  # the deputy hears only rank 0's watchdog
+                got.setdefault(r, now - self.lead_heard if r == 0 else float("nan"))
         return got

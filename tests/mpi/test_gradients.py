@@ -203,17 +203,15 @@ def test_mismatched_gradients_raise_by_default_instead_of_reducing_garbage(
 
 @pytest.mark.parametrize(("variable", "calls"), [(None, 1), ("0", 0), ("off", 0)])
 def test_the_default_check_runs_once_per_compilation_not_per_step(monkeypatch, variable, calls):
-    from jaxddp import _gradients
+    from jaxddp import _signature
 
     if variable is None:
         monkeypatch.delenv("JAXDDP_CHECK", raising=False)
     else:
         monkeypatch.setenv("JAXDDP_CHECK", variable)
     seen = []
-    check = _gradients.check_same_tree
-    monkeypatch.setattr(
-        _gradients, "check_same_tree", lambda *a, **k: (seen.append(1), check(*a, **k))[1]
-    )
+    exchange = _signature._exchange
+    monkeypatch.setattr(_signature, "_exchange", lambda *a: (seen.append(1), exchange(*a))[1])
     params, _, _ = _mlp_data()
     tx = optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.1))
     state = tx.init(params)

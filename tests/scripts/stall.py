@@ -6,11 +6,14 @@ forever in its data loading; ``break_exit``: leaves the loop and calls ``sys.exi
 its gradient tree has one more leaf, with ``check=False``; ``slow``: sleeps 2 s per batch but
 keeps going), or runs 12 s of jitted steps and nothing else from Python (``steps``, healthy),
 or rank 0 alone calls a collective after the loop (``rank0_only``). SECONDS, for ``slow`` and
-``steps``, replaces their 2 s and 12 s. With ``tree``, each step's loss is also reduced from
+``steps``, replaces their 2 s and 12 s. ``gil0``: rank 0 blocks at batch 3 in a C call
+that holds the GIL (libc's ``sleep`` through ``ctypes.pythonapi``), where none of its
+Python threads can run. With ``tree``, each step's loss is also reduced from
 Python, so the extra leaf's collective deadlocks against it. Lines the tests look for carry a
 ``# LINE:`` marker.
 """
 
+import ctypes
 import os
 import signal
 import sys
@@ -82,6 +85,9 @@ batches = 8 if mode == "slow" else 1000
 for epoch in range(batches):
     sampler.set_epoch(epoch)
     for k, (indices, mask) in enumerate(sampler.batches(4)):
+        if k == 3 and rank == 0 and mode == "gil0":
+            misbehaves()
+            ctypes.pythonapi.sleep(3600)  # LINE: gil0
         if k == 3 and rank == last and mode in ("break_exit", "exit1", "sigkill", "sigstop"):
             misbehaves()
             if mode == "break_exit":
