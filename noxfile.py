@@ -155,12 +155,14 @@ LOADERS = ("grain", "equinox")
 TORCH_CPU = {"3.11": "torch==2.13.0"}  # Python -> the torch whose CPU wheel is served
 
 
-def install_torch(session: nox.Session) -> None:
-    """torch, where TORCH_CPU names a CPU build for the session's Python."""
+def install_torch(session: nox.Session) -> bool:
+    """torch, where TORCH_CPU names a CPU build for the session's Python; whether it did."""
     code = "import sys; print('%d.%d' % sys.version_info[:2])"
     version = session.run_install("python", "-c", code, silent=True)
     if isinstance(version, str) and version.strip() in TORCH_CPU:
         session.install(TORCH_CPU[version.strip()])
+        return True
+    return False
 
 
 @nox.session(python=NEWEST)
@@ -190,11 +192,12 @@ def tests_jax(session: nox.Session, jax: str) -> None:
     `"tests_jax(0.11)"`, `"tests_jax(0.12)"`. What depends on JAX: the single-process
     suite's fast lane and doctests, every tests/mpi launch at 2 ranks (the ordered variant
     and the large leaves included), the ordering tests that launch jobs (XLA's execution
-    graph) and the docs' examples (torch's too, where its CPU build is served: TORCH_CPU).
+    graph), the docs' examples, and where torch's CPU build is served (TORCH_CPU) the
+    loaders' tests at 4 ranks too (torch's included).
     Left to `tests` on the newest JAX: the launcher, start-up and stall tests, which launch
     jobs to test MPI and the launchers, not JAX (CI's 90 minutes hold the matrix only so)."""
     install_stack(session, "test", "examples", *LOADERS, jax=JAX_MATRIX[jax][0])
-    install_torch(session)
+    torch = install_torch(session)
     args = session.posargs
     session.run(
         "pytest", "tests", "--doctest-modules", "jaxddp", "-m", "not slow or mpi", *WORKERS,
@@ -202,6 +205,9 @@ def tests_jax(session: nox.Session, jax: str) -> None:
     )  # fmt: skip
     slow = ("tests/test_ordering.py", "tests/test_docs_examples.py")
     session.run("pytest", *slow, "-m", "slow", *WORKERS, *args)
+    if torch:  # the loaders at 4 ranks too (`tests` runs grain's there, without torch)
+        loaders = "tests/mpi/test_loaders.py"
+        session.run("pytest", loaders, *args, env={"JAXDDP_TEST_NP": "4"})
 
 
 @nox.session(python=NEWEST)

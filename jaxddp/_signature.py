@@ -216,7 +216,6 @@ class _Blocks:
         self.send = np.zeros(BLOCK, np.uint8)
         self.received = np.zeros(size * BLOCK, np.uint8)
         self.send_head = self.send.view(np.int64)
-        self.send_bytes = memoryview(self.send)
         self.heads = self.received.view(np.int64)[:: BLOCK // 8]  # each rank's digest
         self.rows: dict[Any, np.ndarray] = {}
 
@@ -246,7 +245,7 @@ def _gather(comm: Any, digest: int, payload: np.ndarray | None) -> tuple[bool, A
     blocks = _blocks(size)
     blocks.send_head[0] = digest
     if payload is not None:
-        blocks.send_bytes[HEADER : HEADER + payload.nbytes] = memoryview(payload).cast("B")
+        blocks.send[HEADER : HEADER + payload.nbytes] = payload.reshape(-1).view(np.uint8)
     comm.Allgather(blocks.send, blocks.received)
     if blocks.heads.tolist().count(digest) != size:
         return False, None
