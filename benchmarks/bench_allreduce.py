@@ -14,6 +14,7 @@ JAX, no copies, no allocation.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -34,12 +35,21 @@ from jaxddp import _comm
 
 
 def _sample(fn: Callable[[], object]) -> float:
-    """The slowest rank's seconds for one call of fn, the ranks lined up by a barrier."""
+    """The slowest rank's seconds for one call of fn, the ranks lined up by a barrier.
+
+    Python's garbage collector is off while fn runs (as ``timeit`` does): a collection that
+    lands in one rank's sample stalls every rank of a synchronous step, so with it on, which
+    variant pays for the garbage of all of them is chance. Each sample starts collected."""
     comm = _comm.py_comm()
+    gc.collect()
     comm.Barrier()
-    start = time.perf_counter()
-    fn()
-    elapsed = time.perf_counter() - start
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        fn()
+        elapsed = time.perf_counter() - start
+    finally:
+        gc.enable()
     return comm.allreduce(elapsed, op=_comm.mpi().MAX)
 
 
