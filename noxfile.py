@@ -29,11 +29,11 @@ ROOT = Path(__file__).parent
 JAX_MATRIX = {
     "0.10": ("0.10.2", ("3.11",)),
     "0.11": ("0.11.2", ("3.12",)),
-    "0.12": ("0.12.0.1", ("3.12",)),
+    "0.12": ("0.12.0.1", ("3.13", "3.12")),
 }
 JAX_RANGE = ">=0.10,<0.13"  # pyproject.toml's bound: every minor of JAX_MATRIX
 # Pythons the stack is tested on, newest first: the default sessions take the newest found.
-PYTHONS = ("3.12", "3.11")
+PYTHONS = ("3.13", "3.12", "3.11")
 
 
 def find_python(version: str) -> str | None:
@@ -212,7 +212,7 @@ WORKERS = ("-n", "3", "--no-loadscope-reorder")
 # tests/test_docs_examples.py skip what is not installed). torch only where a CPU build is
 # served for the session's Python: this machine's registry has torch 2.13.0+cpu for Python
 # 3.11 only; elsewhere pip takes PyPI's CUDA build (about 4.7 GB installed with its nvidia-*
-# wheels, 100 to 180 s of install on 2 cores), so `tests` (Python 3.12) leaves torch to
+# wheels, 100 to 180 s of install on 2 cores), so `tests` (Python 3.13) leaves torch to
 # `tests_jax(0.10)`.
 LOADERS = ("grain", "equinox")
 TORCH_CPU = {"3.11": "torch==2.13.0"}  # Python -> the torch whose CPU wheel is served
