@@ -5,8 +5,8 @@ others use public JAX (``jax``, ``jax.extend``, ``jax.ffi``, ``jax.interpreters`
 Verified (:data:`VERIFIED`), with mpi4jax 0.9.1.post2 on the fast path, by the ordering tests
 (``tests/test_ordering.py``, ``tests/mpi/test_ordering.py``):
 
-* jax/jaxlib 0.12.0.1 (Python 3.12): the single-process suite, the MPI suite at 2 ranks, the
-  ordering tests at 4;
+* jax/jaxlib 0.12.0.1 (Python 3.13 and 3.12): the whole suite (``nox -s tests``: the MPI
+  suite at 2, 3 and 4 ranks, the ordering tests at 2 and 4);
 * jax/jaxlib 0.10.2 (Python 3.11): the ordering tests at 2 and 4 ranks;
 * jax/jaxlib 0.11.2 (Python 3.12): the ordering tests at 2 ranks.
 
