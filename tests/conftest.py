@@ -1,14 +1,16 @@
 """Settings for the whole suite, and the plugin that runs tests/mpi as real ranks."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tests.harness import RANK_RUN_VARIABLE
+from tests.harness import COMPILE_CACHE_VARIABLE, RANK_RUN_VARIABLE
+from tests.mpi_plugin import pytest_configure as mpi_configure
 from tests.mpi_plugin import (
-    pytest_configure,
     pytest_pycollect_makemodule,
     pytest_report_header,
     pytest_runtest_logfinish,
@@ -18,6 +20,21 @@ from tests.mpi_plugin import (
     pytest_terminal_summary,
     pytest_warning_recorded,
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    mpi_configure(config)
+    if not os.environ.get(RANK_RUN_VARIABLE):
+        # This process's launches (one at a time) share JAX's compilation cache, a folder
+        # per rank number (tests/harness: COMPILE_CACHE_VARIABLE); each xdist worker, each
+        # pytest in a subprocess, makes its own.
+        os.environ[COMPILE_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jaxddp-compile-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not os.environ.get(RANK_RUN_VARIABLE):
+        shutil.rmtree(os.environ.pop(COMPILE_CACHE_VARIABLE, ""), ignore_errors=True)
+
 
 # -- parallel runs (``pytest -n 3``, as ``nox -s tests`` runs the suite) ---------------------
 #
