@@ -50,6 +50,7 @@ SHARED_LAUNCHES = {
     "test_checkpoint_resume.py": 190,
     "test_harness.py": 75,
     "test_launcher_launches.py": 60,
+    "test_startup.py": 30,
 }
 MPI_MODULE_SECONDS = 6  # one tests/mpi module on one rank, roughly: a launch ~ ranks x modules
 SLOW_TEST_SECONDS = 10  # a test that launches a job of its own
