@@ -52,19 +52,31 @@ SHARED_LAUNCHES = {
     "test_launcher_launches.py": 60,
     "test_startup.py": 30,
 }
+# Tests of other modules that share one launch through a module-scoped fixture: one worker
+# runs each group. Every other test is scheduled on its own.
+SHARED_LAUNCH_TESTS = {
+    "tests/test_stall.py healthy": (
+        "tests/test_stall.py::test_a_slow_but_progressing_rank_gets_no_report",
+        "tests/test_stall.py::test_a_loop_of_jitted_steps_alone_gets_no_report",
+        "tests/test_stall.py::test_a_caught_sys_exit_followed_by_more_work_is_not_an_exit",
+    ),
+}
+SHARED_LAUNCH_GROUP = {
+    test: group for group, tests in SHARED_LAUNCH_TESTS.items() for test in tests
+}
 MPI_MODULE_SECONDS = 6  # one tests/mpi module on one rank, roughly: a launch ~ ranks x modules
 SLOW_TEST_SECONDS = 10  # a test that launches a job of its own
 
 
 def xdist_scope(nodeid: str) -> str:
-    """What one worker runs together: a launch of tests/mpi, a module of SHARED_LAUNCHES, or
-    the test alone."""
+    """What one worker runs together: a launch of tests/mpi, a module of SHARED_LAUNCHES, a
+    group of SHARED_LAUNCH_TESTS, or the test alone."""
     path = nodeid.split("::", 1)[0]
     if path.startswith("tests/mpi/") and nodeid.endswith("]"):
         return "mpi " + nodeid[nodeid.rindex("[") :]
     if path.rpartition("/")[2] in SHARED_LAUNCHES:
         return path
-    return nodeid
+    return SHARED_LAUNCH_GROUP.get(nodeid, nodeid)
 
 
 @pytest.hookimpl(optionalhook=True)
