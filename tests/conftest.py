@@ -130,5 +130,6 @@ __all__ = [
     "pytest_runtest_logstart",
     "pytest_sessionfinish",
     "pytest_terminal_summary",
+    "pytest_unconfigure",
     "pytest_warning_recorded",
 ]
