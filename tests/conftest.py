@@ -1,14 +1,16 @@
 """Settings for the whole suite, and the plugin that runs tests/mpi as real ranks."""
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from tests.harness import RANK_RUN_VARIABLE
+from tests.harness import COMPILE_CACHE_VARIABLE, RANK_RUN_VARIABLE
+from tests.mpi_plugin import pytest_configure as mpi_configure
 from tests.mpi_plugin import (
-    pytest_configure,
     pytest_pycollect_makemodule,
     pytest_report_header,
     pytest_runtest_logfinish,
@@ -18,6 +20,21 @@ from tests.mpi_plugin import (
     pytest_terminal_summary,
     pytest_warning_recorded,
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    mpi_configure(config)
+    if not os.environ.get(RANK_RUN_VARIABLE):
+        # This process's launches (one at a time) share JAX's compilation cache, a folder
+        # per rank number (tests/harness: COMPILE_CACHE_VARIABLE); each xdist worker, each
+        # pytest in a subprocess, makes its own.
+        os.environ[COMPILE_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jaxddp-compile-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if not os.environ.get(RANK_RUN_VARIABLE):
+        shutil.rmtree(os.environ.pop(COMPILE_CACHE_VARIABLE, ""), ignore_errors=True)
+
 
 # -- parallel runs (``pytest -n 3``, as ``nox -s tests`` runs the suite) ---------------------
 #
@@ -33,20 +50,33 @@ SHARED_LAUNCHES = {
     "test_checkpoint_resume.py": 190,
     "test_harness.py": 75,
     "test_launcher_launches.py": 60,
+    "test_startup.py": 30,
+}
+# Tests of other modules that share one launch through a module-scoped fixture: one worker
+# runs each group. Every other test is scheduled on its own.
+SHARED_LAUNCH_TESTS = {
+    "tests/test_stall.py healthy": (
+        "tests/test_stall.py::test_a_slow_but_progressing_rank_gets_no_report",
+        "tests/test_stall.py::test_a_loop_of_jitted_steps_alone_gets_no_report",
+        "tests/test_stall.py::test_a_caught_sys_exit_followed_by_more_work_is_not_an_exit",
+    ),
+}
+SHARED_LAUNCH_GROUP = {
+    test: group for group, tests in SHARED_LAUNCH_TESTS.items() for test in tests
 }
 MPI_MODULE_SECONDS = 6  # one tests/mpi module on one rank, roughly: a launch ~ ranks x modules
 SLOW_TEST_SECONDS = 10  # a test that launches a job of its own
 
 
 def xdist_scope(nodeid: str) -> str:
-    """What one worker runs together: a launch of tests/mpi, a module of SHARED_LAUNCHES, or
-    the test alone."""
+    """What one worker runs together: a launch of tests/mpi, a module of SHARED_LAUNCHES, a
+    group of SHARED_LAUNCH_TESTS, or the test alone."""
     path = nodeid.split("::", 1)[0]
     if path.startswith("tests/mpi/") and nodeid.endswith("]"):
         return "mpi " + nodeid[nodeid.rindex("[") :]
     if path.rpartition("/")[2] in SHARED_LAUNCHES:
         return path
-    return nodeid
+    return SHARED_LAUNCH_GROUP.get(nodeid, nodeid)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -100,5 +130,6 @@ __all__ = [
     "pytest_runtest_logstart",
     "pytest_sessionfinish",
     "pytest_terminal_summary",
+    "pytest_unconfigure",
     "pytest_warning_recorded",
 ]

@@ -198,6 +198,10 @@ class MPIRun:
                 env={**os.environ, **self.env} if self.env else None,
                 timeout=per_test * max(tests, 1),
                 quiet=per_test,
+                # each program of tests/mpi compiles once per launch, and its launches
+                # (other world sizes, variants, groups) share few: a cache would be
+                # written far more than read
+                compile_cache=False,
             )
             for log in sorted(directory.glob("rank-*.log")):
                 rank = log.stem[len("rank-") :]

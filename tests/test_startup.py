@@ -1,8 +1,10 @@
 """``import jaxddp`` leaves MPI as ``from mpi4py import MPI`` would: the program's own mpi4py
 code works, with no launcher and on 2 real ranks under mpiexec.
 
-Each scenario is one run of ``tests/scripts/startup.py``; every rank's printed values are
-checked, not just the exit code.
+Each scenario runs ``tests/scripts/startup.py``; every rank's printed values are checked, not
+just the exit code. Scenarios that begin with ``import jaxddp`` and only add to it (SHARED)
+run one after the other in one process (and one launch), each checked from its own lines;
+every other scenario meets a fresh process.
 """
 
 from __future__ import annotations
@@ -20,14 +22,29 @@ pytestmark = pytest.mark.slow  # a fresh process or launch per scenario, each pa
 
 SCRIPT = Path(__file__).with_name("scripts") / "startup.py"
 SKIP = "JAXDDP_SKIP_LAUNCHER_CHECK"
+# `import jaxddp`, then the program's mpi4py; then its own first `import mpi4jax`; then
+# mpi4py's own benchmark: each only adds to what the one before it imported
+SHARED = ("import-then-mpi4py", "mpi4jax-after", "mpi4py-bench")
 
 
 def run(scenario: str, np: int) -> dict[int, str]:
-    """Each rank's output: under ``mpiexec -n np``, or as one process with no launcher (np=0)."""
+    """Each rank's output: under ``mpiexec -n np``, or as one process with no launcher (np=0).
+    A scenario of SHARED: the output of the run of all of SHARED, made once per ``np``."""
+    if scenario in SHARED:
+        if np not in _shared:
+            _shared[np] = _run(SHARED, np)
+        return _shared[np]
+    return _run((scenario,), np)
+
+
+_shared: dict[int, dict[int, str]] = {}
+
+
+def _run(scenarios: tuple[str, ...], np: int) -> dict[int, str]:
     env = {k: v for k, v in os.environ.items() if k != SKIP}
     if np == 0:
         done = subprocess.run(
-            [sys.executable, str(SCRIPT), scenario],
+            [sys.executable, str(SCRIPT), *scenarios],
             capture_output=True,
             text=True,
             timeout=120,
@@ -36,7 +53,7 @@ def run(scenario: str, np: int) -> dict[int, str]:
         )
         assert done.returncode == 0, done.stdout + done.stderr
         return {0: done.stdout}
-    result = launch([str(SCRIPT), scenario], np, timeout=120, env=env)
+    result = launch([str(SCRIPT), *scenarios], np, timeout=120, env=env)
     assert result.ok, result.report()
     return {int(r): log for r, log in result.rank_logs.items()}
 

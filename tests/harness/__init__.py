@@ -22,6 +22,13 @@ DEFAULT_TIMEOUT = 120.0
 TIMEOUT_VARIABLE = "JAXDDP_TEST_TIMEOUT"
 # Set in every rank of a launch, so the test plugin knows it is inside one.
 RANK_RUN_VARIABLE = "JAXDDP_TEST_RANK_RUN"
+# A folder (tests/conftest.py makes one per pytest process: per xdist worker) in which each
+# rank of a launch keeps JAX's persistent compilation cache, one folder per rank number
+# (``rank.py``): the suite's launches run the same few scripts again and again, and a rank
+# that finds its programs there skips XLA's compile. Launches of one pytest process run one
+# at a time, so no two processes ever write one folder at once (JAX writes its entries
+# without a lock unless ``filelock`` is installed).
+COMPILE_CACHE_VARIABLE = "JAXDDP_TEST_COMPILE_CACHE"
 
 
 def default_timeout() -> float:
@@ -143,13 +150,16 @@ def launch(
     cwd: str | Path | None = None,
     directory: str | Path | None = None,
     quiet: float | None = None,
+    compile_cache: bool = True,
 ) -> LaunchResult:
     """Runs ``python ARGV`` on ``np`` ranks and waits at most ``timeout`` seconds.
 
     ``{rank}`` in ARGV becomes the rank's number. ``directory`` keeps the rank files (a
     temporary folder by default). ``quiet``, when given, also ends the job as hung once no
     rank's log has grown for that many seconds (a long job of many short steps, each of
-    which writes a line, gets a generous ``timeout`` and a short ``quiet``). Never raises
+    which writes a line, gets a generous ``timeout`` and a short ``quiet``).
+    ``compile_cache=False`` keeps the ranks off the suite's compilation cache
+    (``COMPILE_CACHE_VARIABLE``): a test that reads XLA's compile log. Never raises
     on a failed or hung job: the result says what happened, and ``report()`` shows it with
     every rank's output.
     """
@@ -172,6 +182,8 @@ def launch(
     ]
     full_env = dict(os.environ if env is None else env)
     full_env[RANK_RUN_VARIABLE] = "1"
+    if not compile_cache:
+        full_env.pop(COMPILE_CACHE_VARIABLE, None)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     start = time.monotonic()
     proc = subprocess.Popen(

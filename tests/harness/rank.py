@@ -6,6 +6,8 @@ what ``python`` would take: ``script.py args``, ``-m module args`` or ``-c code`
 Before running ARGV it sends this rank's stdout and stderr to ``DIR/rank-R.log``, records its
 pid in ``DIR/rank-R.pid`` and makes SIGUSR1 dump every thread's Python stack into the log, so
 a watchdog can ask a hung rank where it is. Its exit status goes to ``DIR/rank-R.exit``.
+With ``JAXDDP_TEST_COMPILE_CACHE`` set (see ``tests/harness``), JAX's persistent compilation
+cache of this rank is that folder's ``rank-R``, every program cached however fast it compiled.
 Only the standard library is imported here: nothing may touch MPI before ARGV does.
 """
 
@@ -49,12 +51,26 @@ def run(argv: list[str]) -> None:
         runpy.run_path(argv[0], run_name="__main__")
 
 
+COMPILE_CACHE_VARIABLE = "JAXDDP_TEST_COMPILE_CACHE"  # tests.harness's; not imported here
+
+
+def use_compile_cache(rank: str) -> None:
+    """JAX's persistent cache in ``$JAXDDP_TEST_COMPILE_CACHE/rank-R``, read at JAX's import."""
+    root = os.environ.get(COMPILE_CACHE_VARIABLE)
+    if not root or "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(root, f"rank-{rank}")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+
 def main() -> None:
     outdir, sep, *argv = sys.argv[1:]
     if sep != "--" or not argv:
         sys.exit("usage: rank.py DIR -- ARGV...")
     rank = launcher_rank()
     argv = [a.replace("{rank}", rank) for a in argv]
+    use_compile_cache(rank)
     stem = os.path.join(outdir, f"rank-{rank}")
     log = open(stem + ".log", "w", buffering=1)  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)

@@ -6,7 +6,9 @@ forever in its data loading; ``break_exit``: leaves the loop and calls ``sys.exi
 its gradient tree has one more leaf, with ``check=False``; ``slow``: sleeps 2 s per batch but
 keeps going), or runs 12 s of jitted steps and nothing else from Python (``steps``, healthy),
 or rank 0 alone calls a collective after the loop (``rank0_only``). SECONDS, for ``slow`` and
-``steps``, replaces their 2 s and 12 s. ``gil0``: rank 0 blocks at batch 3 in a C call
+``steps``, replaces their 2 s and 12 s. ``healthy SLOW STEPS``: the three healthy runs in one
+job, each with its own lines: ``caught_exit.py`` (a caught ``SystemExit``, then a
+collective), then ``slow`` with SLOW s per batch, then ``steps`` for STEPS s. ``gil0``: rank 0 blocks at batch 3 in a C call
 that holds the GIL (libc's ``sleep`` through ``ctypes.pythonapi``), where none of its
 Python threads can run. With ``tree``, each step's loss is also reduced from
 Python, so the extra leaf's collective deadlocks against it. Lines the tests look for carry a
@@ -15,9 +17,11 @@ Python, so the extra leaf's collective deadlocks against it. Lines the tests loo
 
 import ctypes
 import os
+import runpy
 import signal
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +31,10 @@ import optax
 import jaxddp
 
 mode = sys.argv[1]
+if mode == "healthy":  # first, as that script runs alone: right after `import jaxddp`
+    runpy.run_path(str(Path(__file__).with_name("caught_exit.py")), run_name="__main__")
 seconds = float(sys.argv[2]) if len(sys.argv) > 2 else {"slow": 2.0, "steps": 12.0}.get(mode, 0.0)
+slow = mode in ("slow", "healthy")
 rank, size = jaxddp.rank(), jaxddp.world_size()
 last = size - 1
 data = np.arange(64 * 4, dtype=np.float32).reshape(64, 4) / 256
@@ -62,26 +69,31 @@ def load_batch(indices, k):
     if mode == "sleep" and rank == last and k == 3:
         misbehaves()
         time.sleep(3600)  # LINE: sleep
-    if mode == "slow" and rank == last:
+    if slow and rank == last:
         time.sleep(seconds)
     return data[indices]
 
 
-if mode == "steps":  # healthy: `seconds` of jitted steps whose collectives are all compiled
+def run_steps(seconds, params, opt_state):
+    """Healthy: ``seconds`` of jitted steps whose collectives are all compiled."""
     burn = jax.jit(lambda y: jax.lax.fori_loop(0, 400, lambda i, y: jnp.tanh(y @ y), y))
     x, mask = jnp.asarray(data[:16]), jnp.ones(16, bool)
     y = jnp.eye(256) / 2
     start, steps = time.time(), 0
     while jaxddp.allreduce({"go": time.time() - start < seconds}, op="min")["go"]:
         for _ in range(20):  # no jaxddp call from Python for seconds at a time
-            params, opt_state, loss = step(params, opt_state, x, mask)
+            params, opt_state, _ = step(params, opt_state, x, mask)
             burn(y).block_until_ready()
             steps += 1
     print(f"rank {rank} finished {steps} steps", flush=True)
+
+
+if mode == "steps":
+    run_steps(seconds, params, opt_state)
     sys.exit(0)
 
 sampler = jaxddp.DistributedSampler(len(data), shuffle=False)
-batches = 8 if mode == "slow" else 1000
+batches = 8 if slow else 1000
 for epoch in range(batches):
     sampler.set_epoch(epoch)
     for k, (indices, mask) in enumerate(sampler.batches(4)):
@@ -106,10 +118,12 @@ for epoch in range(batches):
     if mode == "break_exit" and rank == last:
         print(f"rank {rank} left the loop", flush=True)
         sys.exit(0)  # LINE: exit0
-    if mode in ("rank0_only", "slow") and epoch == 0:
+    if (mode == "rank0_only" or slow) and epoch == 0:
         break
 
 if mode == "rank0_only" and rank == 0:
     misbehaves()
     total = jaxddp.allreduce({"loss": loss}, op="sum")  # LINE: rank0_only
 print(f"rank {rank} finished", flush=True)
+if mode == "healthy":
+    run_steps(float(sys.argv[3]), params, opt_state)
