@@ -35,6 +35,7 @@ _MASKED = tuple(
 # reduction over more than one element.
 _PROBE = 7
 
+_UNSHARDED = "Use `optax.chain(jaxddp.allreduce_gradients(), inner)` for it."
 _FIX = (
     " Clip by the global norm with `jaxddp.shard_optimizer(inner, clip_global_norm=...)` "
     "(exact), or keep the full state with `optax.chain(jaxddp.allreduce_gradients(), inner)`."
@@ -70,18 +71,19 @@ def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) 
     """Raises ValueError where ``inner`` is not element-wise over the packed slices."""
     del clip  # clipping by the global norm runs before `inner`, on the whole gradient
     probe = tuple(jax.ShapeDtypeStruct((_PROBE,), x.dtype) for x in mine)
-    state = jax.eval_shape(inner.init, probe)
-    masked = [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_masked) if _is_masked(x)]
-    if masked:
+    try:
+        state = jax.eval_shape(inner.init, probe)
+        jaxpr = jax.make_jaxpr(inner.update)(probe, state, probe)
+    except (ValueError, TypeError, KeyError) as exc:  # a per-leaf tree meets the slices
         msg = (
-            f"`shard_optimizer` cannot run an inner optimizer that holds a "
-            f"{type(masked[0]).__name__} (`optax.masked`, `optax.multi_transform`, adamw's "
-            "`mask`): their masks and labels name parameter leaves, which a rank's packed "
-            "slice of the gradient no longer has. Use `optax.chain(jaxddp.allreduce_"
-            "gradients(), inner)` for it."
+            "`shard_optimizer`'s inner optimizer fails on a rank's packed slice of the "
+            f"parameters (a tuple of 1-D arrays, one per dtype): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0].rstrip('.')}. Optimizers that name parameter leaves "
+            "(`optax.masked`, `optax.multi_transform`, adamw's `mask` as a tree) cannot be "
+            "sharded. "
+            f"{_UNSHARDED}"
         )
-        raise ValueError(msg)
-    jaxpr = jax.make_jaxpr(inner.update)(probe, state, probe)
+        raise ValueError(msg) from exc
     eqn = _first_reduction(jaxpr.jaxpr)
     if eqn is not None:
         where = _jax_compat.equation_frames(eqn)
@@ -92,6 +94,15 @@ def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) 
             "rank's slice of the gradient only, not the whole gradient. That is what "
             "`optax.clip_by_global_norm`, LAMB's and LARS's trust ratios "
             "(`scale_by_trust_ratio`), adafactor and `apply_if_finite` do." + _FIX
+        )
+        raise ValueError(msg)
+    masked = [x for x in jax.tree_util.tree_leaves(state, is_leaf=_is_masked) if _is_masked(x)]
+    if masked:
+        msg = (
+            f"`shard_optimizer` cannot run an inner optimizer that holds a "
+            f"{type(masked[0]).__name__} (`optax.masked`, `optax.multi_transform`, adamw's "
+            "`mask`): their masks and labels name parameter leaves, which a rank's packed "
+            f"slice of the gradient no longer has. {_UNSHARDED}"
         )
         raise ValueError(msg)
 
