@@ -319,7 +319,7 @@ class _Sharder:
             vectors = _allgather(xs, channels, layout.size) if layout.size > 1 else xs
             return layout.unpack([jnp.asarray(v) for v in vectors])
 
-        return _map_params(self.inner, full, state.inner)
+        return _map_params(self.inner, full, state.inner, unwrap=True)
 
     def shard(self, full: Any, params: Any) -> ShardedState:
         layout, _ = self.layout(params)
@@ -332,11 +332,23 @@ class _Sharder:
         return ShardedState(_map_params(self.inner, mine, full))
 
 
-def _map_params(inner: Any, f: Any, state: Any) -> Any:
+def _bare(value: Any) -> Any:
+    """A state entry that ``inner.init`` makes an array, as that array: ``nnx.Optimizer``
+    holds each one in an ``OptState`` variable, a pytree around one leaf."""
+    if isinstance(value, jax.Array | np.ndarray | np.generic | Tracer):
+        return value
+    leaves = jax.tree_util.tree_leaves(value)
+    return leaves[0] if len(leaves) == 1 else value
+
+
+def _map_params(inner: Any, f: Any, state: Any, *, unwrap: bool = False) -> Any:
     """``f`` applied to each copy of the parameters held in ``inner``'s state (found as
-    ``optax.tree_map_params`` finds them), the rest of the state unchanged."""
+    ``optax.tree_map_params`` finds them); the rest of the state unchanged, or with
+    ``unwrap``, as bare arrays."""
     try:
-        return optax.tree_utils.tree_map_params(inner, f, state, is_leaf=lambda _: True)
+        return optax.tree_utils.tree_map_params(
+            inner, f, state, is_leaf=lambda _: True, transform_non_params=_bare if unwrap else None
+        )
     except Exception as exc:
         msg = (
             f"jaxddp cannot find the parameters' copies in the inner optimizer's state "
@@ -393,8 +405,10 @@ def shard_optimizer(
       >>> tx = jaxddp.shard_optimizer(optax.sgd(0.1))
       >>> state = tx.init(params)
       >>> updates, state = jax.jit(tx.update)({"w": jnp.ones(3), "frozen": None}, state, params)
-      >>> updates["w"].tolist(), updates["frozen"].tolist()
-      ([-0.1, -0.1, -0.1], [0.0, 0.0])
+      >>> bool((updates["frozen"] == 0).all())  # no gradient: no update, and no hang
+      True
+      >>> full = tx.gather_state(state, params)  # for a checkpoint: the same on every rank
+      >>> state = tx.shard_state(full, params)  # this rank's share, at any world size
     """
     if not isinstance(inner, optax.GradientTransformation):
         msg = f"Expected `inner` to be an optax.GradientTransformation, got {inner!r} instead."
