@@ -79,8 +79,9 @@ def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) 
             "`shard_optimizer`'s inner optimizer fails on a rank's packed slice of the "
             f"parameters (a tuple of 1-D arrays, one per dtype): {type(exc).__name__}: "
             f"{str(exc).splitlines()[0].rstrip('.')}. Optimizers that name parameter leaves "
-            "(`optax.masked`, `optax.multi_transform`, adamw's `mask` as a tree) cannot be "
-            "sharded. "
+            "(`optax.masked`, `optax.multi_transform`, adamw's `mask` as a tree), or whose update "
+            "needs more than the gradients, state and parameters (L-BFGS's line search), "
+            "cannot be sharded. "
             f"{_UNSHARDED}"
         )
         raise ValueError(msg) from exc
