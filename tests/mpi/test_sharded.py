@@ -7,6 +7,7 @@ of their gradients is the one-process gradient. 49 parameters: no world size div
 """
 
 import os
+import shutil
 import tempfile
 
 import jax
@@ -230,6 +231,8 @@ def directory():
     path = WORLD.bcast(tempfile.mkdtemp(prefix="jaxddp-sharded-") if rank == 0 else None)
     yield os.path.join(path, "checkpoints")
     WORLD.Barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_checkpoint_written_on_two_ranks_resumes_on_any_world_size(directory):
