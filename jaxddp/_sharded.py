@@ -170,6 +170,9 @@ def _allgather(slices: list[Any], comm: tuple[Any, Any], size: int) -> list[Any]
     out = []
     for x in slices:
         dtype = x.dtype
+        if not x.size:  # a dtype of empty leaves only: nothing to send
+            out.append(x)
+            continue
         if isinstance(x, np.ndarray):
 
             def move(b: Any) -> Any:
@@ -195,10 +198,14 @@ def _mean_slices(vectors: list[Any], layout: _Layout, comm: tuple[Any, Any]) -> 
     size = layout.size
     if size == 1:
         return [jnp.asarray(v) for v in vectors]
-    rows = _alltoall([v.reshape(size, -1) for v in vectors], comm)
+    live = [i for i, v in enumerate(vectors) if v.size]  # a dtype of empty leaves only: none
+    moved = iter(_alltoall([vectors[i].reshape(size, -1) for i in live], comm))
     out = []
-    for received in rows:
-        r = jnp.asarray(received)
+    for v in vectors:
+        if not v.size:
+            out.append(jnp.asarray(v))
+            continue
+        r = jnp.asarray(next(moved))
         wide = wire_dtype(r.dtype, arithmetic=True)
         total = r[0].astype(wide)
         for j in range(1, size):

@@ -134,8 +134,13 @@ def test_the_state_held_per_rank_is_one_wth_of_the_unsharded_one_plus_padding():
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_unused_parameters_on_some_ranks_are_zeros(jit):
-    params = {"used": jnp.arange(5.0), "branch": {"w": jnp.ones((2, 3))}}
-    grads = {"used": jnp.arange(5.0) * (rank + 1)}
+    # and a dtype of empty leaves only: nothing of it travels
+    params = {
+        "used": jnp.arange(5.0),
+        "branch": {"w": jnp.ones((2, 3))},
+        "e": jnp.ones((0, 2), jnp.float16),
+    }
+    grads = {"used": jnp.arange(5.0) * (rank + 1), "e": jnp.ones((0, 2), jnp.float16)}
     if rank != 0:  # rank 0 did not run the branch
         grads["branch"] = {"w": jnp.full((2, 3), 2.0)}
     else:
@@ -146,6 +151,7 @@ def test_unused_parameters_on_some_ranks_are_zeros(jit):
     mean = np.arange(5.0) * (size + 1) / 2
     np.testing.assert_allclose(updates["used"], -mean, rtol=1e-6)
     np.testing.assert_allclose(updates["branch"]["w"], -2.0 * (size - 1) / size, rtol=1e-6)
+    assert updates["e"].shape == (0, 2)
     with pytest.raises(ValueError, match="`params` was not passed"):  # on every rank
         update({**grads, "branch": None}, tx.init(params))
 
