@@ -128,3 +128,33 @@ def test_refusals_name_the_operation_and_the_fix():
     tx = jaxddp.shard_optimizer(optax.adam(1e-3))
     with pytest.raises(TypeError, match=r"bool leaf at `\['flag'\]`"):
         tx.init({"w": jnp.ones(2), "flag": jnp.bool_(True)})
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)), optax.lamb(1e-3),
+     optax.lars(1e-3), optax.adafactor(1e-3), optax.apply_if_finite(optax.adam(1e-3), 3)],
+    ids=["clip_by_global_norm", "lamb", "lars", "adafactor", "apply_if_finite"],
+)  # fmt: skip
+def test_an_inner_optimizer_that_reduces_across_elements_is_refused_at_init(inner):
+    with pytest.raises(ValueError, match="clip_global_norm=") as info:
+        jaxddp.shard_optimizer(inner).init({"w": jnp.ones(9)})
+    assert "slice" in str(info.value)
+
+
+def test_bad_input_is_refused_with_the_fix():
+    for masked in (
+        optax.adamw(1e-3, mask={"w": True}),  # a tree of the parameters' structure
+        optax.adamw(1e-3, mask=lambda p: jax.tree.map(lambda _: True, p)),  # a callable
+    ):
+        with pytest.raises(ValueError, match=r"optax\.masked"):
+            jaxddp.shard_optimizer(masked).init({"w": jnp.ones(3)})
+    with pytest.raises(TypeError, match=r"int32 leaf at `\['n'\]`"):
+        jaxddp.shard_optimizer(optax.adam(1e-3)).init({"w": jnp.ones(3), "n": jnp.int32(1)})
+    tx = jaxddp.shard_optimizer(optax.adam(1e-3))
+    with pytest.raises(TypeError, match="shard_state"):
+        tx.update({"w": jnp.ones(3)}, optax.adam(1e-3).init({"w": jnp.ones(3)}))
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        jaxddp.shard_optimizer(optax.adam)  # the factory, not the transform
+    with pytest.raises(ValueError, match="clip_global_norm"):
+        jaxddp.shard_optimizer(optax.adam(1e-3), clip_global_norm=0.0)
