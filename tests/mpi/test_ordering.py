@@ -317,6 +317,31 @@ def test_shard_optimizer_at_the_top_and_inside_multisteps_cond_beside_metric_all
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_a_jitted_sharded_update_called_on_its_own_then_inside_another_jit():
+    params, x, y = _model()
+    grads = jax.grad(_loss)(params, x, y)
+    tx = jaxddp.shard_optimizer(optax.sgd(0.1))
+    update = jax.jit(tx.update)
+    alone, _ = update(grads, tx.init(params), params)  # traced for its own top level first
+
+    @jax.jit
+    def outer(grads, state, params):
+        before = jaxddp.allreduce(jnp.float32(rank), op="sum")
+        updates, state = update(grads, state, params)  # replayed into outer's chain
+        return updates, before + jaxddp.allreduce(jnp.float32(rank), op="max")
+
+    if FAST:
+        assert set(_forms(outer, grads, tx.init(params), params)) == {"jaxddp_chained"}
+    inside, metric = outer(grads, tx.init(params), params)
+    assert float(metric) == ranks.sum() + size - 1
+    mean = jaxddp.allreduce(grads)
+    for a, b, g in zip(
+        jax.tree.leaves(alone), jax.tree.leaves(inside), jax.tree.leaves(mean), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, -0.1 * g, rtol=1e-6)
+
+
 def test_collectives_inside_scan_and_fori_loop():
     def body(i, carry):
         x, acc = carry
