@@ -30,6 +30,9 @@ from ._launcher import check_launcher as check_launcher
 from ._metrics import masked_mean as masked_mean
 from ._progress import heartbeat as heartbeat
 from ._sampler import DistributedSampler as DistributedSampler
+from ._sharded import ShardedOptimizer as ShardedOptimizer
+from ._sharded import ShardedState as ShardedState
+from ._sharded import shard_optimizer as shard_optimizer
 from ._state import average_state as average_state
 
 if TYPE_CHECKING:  # imported on first use (it needs flax): see __getattr__
@@ -66,6 +69,8 @@ __all__ = [
     "LauncherReport",
     "LauncherWarning",
     "LinenSyncBatchNorm",
+    "ShardedOptimizer",
+    "ShardedState",
     "SyncBatchNorm",
     "TreeMismatchError",
     "__version__",
@@ -80,6 +85,7 @@ __all__ = [
     "rank",
     "reduce",
     "resolve_unused_parameters",
+    "shard_optimizer",
     "synchronize",
     "world_size",
 ]

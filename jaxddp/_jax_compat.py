@@ -47,6 +47,7 @@ __all__ = [
     "abstract_token",
     "after_all",
     "apply_primitive",
+    "equation_frames",
     "is_jaxpr_trace",
     "jax_versions",
     "jit_staging_rule",
@@ -260,3 +261,25 @@ def warn_if_unverified() -> None:
         "step than on the fast path). `jaxddp doctor` shows the path in use."
     )
     warnings.warn(msg, UnverifiedJaxWarning, stacklevel=2)
+
+
+# ------------------------------------------------------------------------------- jaxprs
+
+
+def equation_frames(eqn: Any, limit: int = 3) -> list[str]:
+    """``file:line (function)`` of the innermost frames outside JAX that staged ``eqn``
+    (where a jaxpr's equation came from), for error messages; empty where unknown."""
+    try:
+        frames = eqn.source_info.traceback.frames
+    except AttributeError:  # a JAX that moved them: the message says less
+        return []
+    out = []
+    for frame in frames:
+        name = frame.file_name.replace("\\", "/")
+        if "/jax/" in name or "/jaxlib/" in name or "/jaxddp/" in name:
+            continue
+        short = "/".join(name.split("/")[-3:])
+        out.append(f"{short}:{frame.line_num} ({frame.function_name})")
+        if len(out) == limit:
+            break
+    return out

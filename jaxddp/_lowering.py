@@ -51,9 +51,16 @@ def _dtype_handle(dtype: Any) -> np.int64:
     return np.int64(Handle(getattr(MPI, _MPI_TYPES[np.dtype(dtype).name])).handle)
 
 
-# What each collective's FFI target takes besides the buffer, from the primitive's params.
-def _attrs(kind: str, params: dict[str, Any]) -> dict[str, Any]:
+# What each collective's FFI target takes besides the buffer, from the primitive's params
+# and the buffer's abstract value.
+def _attrs(kind: str, params: dict[str, Any], aval: Any) -> dict[str, Any]:
     attrs = {"comm": np.int64(params["comm"].handle)}
+    dtype = _dtype_handle(aval.dtype)
+    nitems = np.int64(np.prod(aval.shape, dtype=np.int64))
+    if kind in _MOVES:  # the count each rank sends to (allgather: and gets from) each rank
+        count = nitems if kind == "allgather" else np.int64(nitems // params["size"])
+        return dict(attrs, sendcount=count, sendtype=dtype, recvcount=count, recvtype=dtype)
+    attrs.update(nitems=nitems, dtype=dtype)
     if kind in ("allreduce", "reduce"):
         attrs["op"] = np.int64(params["op"].handle)
     if kind in ("bcast", "reduce"):
@@ -61,7 +68,17 @@ def _attrs(kind: str, params: dict[str, Any]) -> dict[str, Any]:
     return attrs
 
 
-_TARGETS = {"allreduce": "mpi_allreduce_ffi", "bcast": "mpi_bcast_ffi", "reduce": "mpi_reduce_ffi"}
+_TARGETS = {
+    "allreduce": "mpi_allreduce_ffi",
+    "bcast": "mpi_bcast_ffi",
+    "reduce": "mpi_reduce_ffi",
+    "allgather": "mpi_allgather_ffi",
+    "alltoall": "mpi_alltoall_ffi",
+}
+# The collectives that only move data, with a `size` parameter (the communicator's size):
+# an allgather returns (size, *shape), an alltoall sends row j of its (size, ...) input to
+# rank j and returns row i from rank i.
+_MOVES = ("allgather", "alltoall")
 
 
 def emit(
@@ -70,18 +87,19 @@ def emit(
     """One side-effecting custom call per buffer, each taking the previous call's token."""
 
     rule = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True)
-    attrs = _attrs(kind, params)
     outs = []
     for x, aval_in, aval_out in zip(xs, *avals, strict=True):
         token_aval = compat.abstract_token()
         sub = ctx.replace(avals_in=(aval_in, token_aval), avals_out=(aval_out, token_aval))
-        nitems = np.int64(np.prod(aval_in.shape, dtype=np.int64))
-        out, token = rule(sub, x, token, nitems=nitems, dtype=_dtype_handle(aval_in.dtype), **attrs)
+        out, token = rule(sub, x, token, **_attrs(kind, params, aval_in))
         outs.append(out)
     return token, outs
 
 
 def out_avals(kind: str, avals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
-    """A broadcast's root and a reduce's non-roots get nothing back (their input stands)."""
+    """A broadcast's root and a reduce's non-roots get nothing back (their input stands);
+    an allgather gets every rank's buffer, stacked on a new first axis."""
+    if kind == "allgather":
+        return [ShapedArray((params["size"], *a.shape), a.dtype) for a in avals]
     empty = (kind == "bcast" and params["is_root"]) or (kind == "reduce" and not params["is_root"])
     return [ShapedArray((0,) if empty else a.shape, a.dtype) for a in avals]

@@ -3,7 +3,8 @@ keeps JAX's C++ fast dispatch path.
 
 An executable that holds a primitive with a JAX effect (mpi4jax's are ordered effects) is
 dispatched on JAX's Python path, at microseconds per argument and result leaf. jaxddp's
-collectives (:data:`allreduce_p`, :data:`bcast_p`, :data:`reduce_p`) are what JAX's
+collectives (:data:`allreduce_p`, :data:`bcast_p`, :data:`reduce_p`, :data:`allgather_p`,
+:data:`alltoall_p`) are what JAX's
 transformations see; where one is staged into a jaxpr (:func:`_stage`) it takes one of two
 forms, both lowered to the FFI targets mpi4jax registers (``mpi_allreduce_ffi``, ...):
 
@@ -48,7 +49,9 @@ from ._jax_compat import ordered_effect
 from ._lowering import Handle, emit, out_avals
 
 __all__ = [
+    "allgather_many",
     "allreduce_many",
+    "alltoall_many",
     "bcast_many",
     "close_chain",
     "fast_path",
@@ -336,6 +339,10 @@ def _collective(kind: str, *, tangent: bool = False) -> _Collective:
 allreduce_p = _collective("allreduce")
 bcast_p = _collective("bcast")
 reduce_p = _collective("reduce")
+# Moves only (for the sharded optimizer): an allgather stacks every rank's buffer on a new
+# first axis; an alltoall sends row j of a (size, ...) buffer to rank j.
+allgather_p = _collective("allgather")
+alltoall_p = _collective("alltoall")
 # The tangent of a sum: a sum of the tangents, whose transpose sums the cotangents, as
 # `jax.lax.psum`'s does. Every rank computes the same loss from every rank's values, so the
 # gradient with respect to one rank's inputs gathers every rank's cotangent: a loss built
@@ -343,7 +350,10 @@ reduce_p = _collective("reduce")
 _tangent_p = _collective("allreduce", tangent=True)
 
 
-_COLLECTIVES = {(p.kind, p.tangent): p for p in (allreduce_p, bcast_p, reduce_p, _tangent_p)}
+_COLLECTIVES = {
+    (p.kind, p.tangent): p
+    for p in (allreduce_p, bcast_p, reduce_p, allgather_p, alltoall_p, _tangent_p)
+}
 
 
 def restage(trace: Any, args: Sequence[Any], avals: Any, params: dict[str, Any]) -> list[Any]:
@@ -422,6 +432,8 @@ def _no_derivative(kind: str) -> Any:
 ad.primitive_jvps[allreduce_p] = _allreduce_jvp
 ad.primitive_jvps[bcast_p] = _no_derivative("broadcast")
 ad.primitive_jvps[reduce_p] = _no_derivative("reduce")
+ad.primitive_jvps[allgather_p] = _no_derivative("allgather")
+ad.primitive_jvps[alltoall_p] = _no_derivative("alltoall")
 ad.primitive_jvps[_tangent_p] = lambda primals, tangents, **params: (
     _tangent_p.bind(*primals, **params),
     _tangent_p.bind(*[ad.instantiate_zeros(t) for t in tangents], **params),
@@ -478,3 +490,26 @@ def reduce_many(xs: Sequence[Any], op: Any, root: int, comm: Any) -> list[Any]:
     is_root = comm.Get_rank() == root
     out = reduce_p.bind(*xs, op=Handle(op), root=root, comm=Handle(comm), is_root=is_root)
     return out if is_root else _after(xs, out)
+
+
+def allgather_many(xs: Sequence[Any], comm: Any) -> list[Any]:
+    """Every rank's values of each array of ``xs``, stacked on a new first axis in rank
+    order: ``(size, *x.shape)``."""
+    if not xs:
+        return []
+    _register_targets()
+    return allgather_p.bind(*xs, comm=Handle(comm), size=comm.Get_size())
+
+
+def alltoall_many(xs: Sequence[Any], comm: Any) -> list[Any]:
+    """Each array of ``xs`` has the communicator's size as its first axis; row ``j`` goes
+    to rank ``j``, and row ``i`` of the result came from rank ``i``."""
+    if not xs:
+        return []
+    size = comm.Get_size()
+    for x in xs:
+        if x.ndim == 0 or x.shape[0] != size:
+            msg = f"Expected alltoall buffers of shape ({size}, ...), got {x.shape} instead."
+            raise ValueError(msg)
+    _register_targets()
+    return alltoall_p.bind(*xs, comm=Handle(comm), size=size)

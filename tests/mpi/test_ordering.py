@@ -276,6 +276,72 @@ def test_multisteps_collective_inside_cond_with_a_metric_allreduce_outside():
                 np.testing.assert_array_equal(a, b)
 
 
+def test_shard_optimizer_at_the_top_and_inside_multisteps_cond_beside_metric_allreduces():
+    # its alltoall and allgather: chained at the jit's own level, ordered inside the cond
+    # (after a bridge from the chain), every value equal to the unsharded chain's
+    params, x, y = _model()
+    k = 2
+    runs = {}
+    for name, sync in (
+        ("sharded", jaxddp.shard_optimizer(optax.adam(0.1))),
+        ("unsharded", optax.chain(jaxddp.allreduce_gradients(), optax.adam(0.1))),
+    ):
+        for multi in (False, True):
+            tx = optax.MultiSteps(sync, k) if multi else sync
+
+            @jax.jit
+            def step(params, opt_state, x, y, tx=tx):
+                before = jaxddp.allreduce(jnp.float32(rank), op="sum")
+                loss, grads = jax.value_and_grad(_loss)(params, x, y)
+                updates, opt_state = tx.update(grads, opt_state, params)
+                after = jaxddp.allreduce(loss, op="max")
+                return optax.apply_updates(params, updates), opt_state, before + after
+
+            forms = _forms(step, params, tx.init(params), x, y)
+            if not FAST:
+                assert set(forms) == {"jaxddp_ordered"}
+            elif multi:
+                assert forms[0] == "jaxddp_chained"
+                assert "jaxddp_ordered" in forms
+            else:
+                assert set(forms) == {"jaxddp_chained"}
+            state, current, metrics = tx.init(params), params, []
+            for _ in range(4):
+                current, state, metric = step(current, state, x, y)
+                metrics.append(float(metric))
+            runs[name, multi] = current, metrics
+    for multi in (False, True):
+        (ours, ours_metrics), (ref, ref_metrics) = runs["sharded", multi], runs["unsharded", multi]
+        np.testing.assert_allclose(ours_metrics, ref_metrics, rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_jitted_sharded_update_called_on_its_own_then_inside_another_jit():
+    params, x, y = _model()
+    grads = jax.grad(_loss)(params, x, y)
+    tx = jaxddp.shard_optimizer(optax.sgd(0.1))
+    update = jax.jit(tx.update)
+    alone, _ = update(grads, tx.init(params), params)  # traced for its own top level first
+
+    @jax.jit
+    def outer(grads, state, params):
+        before = jaxddp.allreduce(jnp.float32(rank), op="sum")
+        updates, state = update(grads, state, params)  # replayed into outer's chain
+        return updates, before + jaxddp.allreduce(jnp.float32(rank), op="max")
+
+    if FAST:
+        assert set(_forms(outer, grads, tx.init(params), params)) == {"jaxddp_chained"}
+    inside, metric = outer(grads, tx.init(params), params)
+    assert float(metric) == ranks.sum() + size - 1
+    mean = jaxddp.allreduce(grads)
+    for a, b, g in zip(
+        jax.tree.leaves(alone), jax.tree.leaves(inside), jax.tree.leaves(mean), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, -0.1 * g, rtol=1e-6)
+
+
 def test_collectives_inside_scan_and_fori_loop():
     def body(i, carry):
         x, acc = carry

@@ -5,12 +5,15 @@ execution graph: which thunk waits for which. The step holds large leaves that t
 float32 and bfloat16 buckets, an integer leaf, a reduction inside a ``lax.cond`` (the only
 conditional in the step), a broadcast and a max; ``flat`` holds the same without the
 ``lax.cond``; ``outer`` calls ``helper``, a jitted function first called on its own, between
-two collectives of its own (jaxddp replays ``helper`` into it).
+two collectives of its own (jaxddp replays ``helper`` into it); ``sharded`` is a
+``shard_optimizer`` update (an alltoall and an allgather per dtype, float32 and bfloat16, and
+the allreduce of the global norm between them).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import jaxddp
 
@@ -62,6 +65,11 @@ def outer(tree):
     return low, total, top, jaxddp.allreduce(tree["big2"], op="max")
 
 
+params = {"w": tree["small5"], "half": tree["half"]}
+tx = jaxddp.shard_optimizer(optax.adam(1e-3), clip_global_norm=1.0)
+sharded = jax.jit(tx.update)
+
+jax.block_until_ready(sharded(params, tx.init(params), params))
 jax.block_until_ready(helper(tree["big1"], tree["small1"]))
 jax.block_until_ready(outer(tree))
 jax.block_until_ready(flat(tree))
