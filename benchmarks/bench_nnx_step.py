@@ -162,8 +162,10 @@ def _steps(run: Callable[[], object], steps: int) -> Callable[[], None]:
     return many
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(doc: str) -> tuple[argparse.Namespace, tuple[jax.Array, jax.Array]]:
+    """The options of the NNX step benchmarks (this one and bench_sharded.py), and this
+    rank's batch."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--batch-size", type=int, default=64, help="per rank")
     parser.add_argument("--models", default=";".join(MODELS), help="';'-separated names")
     parser.add_argument("--warmup", type=int, default=5)
@@ -171,9 +173,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rank = jaxddp.rank()
-    path = "fast" if _primitive.fast_path() else "ordered"
     x = jax.random.normal(jax.random.key(1 + rank), (args.batch_size, D_IN))
     y = jax.random.randint(jax.random.key(100 + rank), (args.batch_size,), 0, D_OUT)
+    return args, (x, y)
+
+
+def main() -> None:
+    args, (x, y) = parse_args(__doc__ or "")
+    rank = jaxddp.rank()
+    path = "fast" if _primitive.fast_path() else "ordered"
     rows = []
     for name in args.models.split(";"):
         blocks, width = MODELS[name]

@@ -15,7 +15,6 @@ bound, 1/W of the unsharded state plus the padding), the median step of each, th
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -32,7 +31,7 @@ from flax import nnx
 
 import jaxddp
 from benchmarks.bench_allreduce import interleaved_samples
-from benchmarks.bench_nnx_step import D_IN, D_OUT, MODELS, ResidualMLP, _steps, make_step
+from benchmarks.bench_nnx_step import MODELS, ResidualMLP, _steps, make_step, parse_args
 from jaxddp import _primitive
 
 
@@ -81,17 +80,9 @@ def measure(blocks: int, width: int, batch: tuple, warmup: int, repeats: int) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch-size", type=int, default=64, help="per rank")
-    parser.add_argument("--models", default=";".join(MODELS), help="';'-separated names")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=41)
-    parser.add_argument("--out", type=Path)
-    args = parser.parse_args()
+    args, (x, y) = parse_args(__doc__ or "")
     rank = jaxddp.rank()
     path = "fast" if _primitive.fast_path() else "ordered"
-    x = jax.random.normal(jax.random.key(1 + rank), (args.batch_size, D_IN))
-    y = jax.random.randint(jax.random.key(100 + rank), (args.batch_size,), 0, D_OUT)
     rows = []
     for name in args.models.split(";"):
         blocks, width = MODELS[name]
