@@ -178,6 +178,20 @@ def parse_args(doc: str) -> tuple[argparse.Namespace, tuple[jax.Array, jax.Array
     return args, (x, y)
 
 
+def write_result(args: argparse.Namespace, path: str, rows: list[dict]) -> None:
+    """The run's rows and settings as JSON in ``args.out`` (rank 0 calls it)."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    result = {
+        "ranks": jaxddp.world_size(),
+        "path": path,
+        "batch_per_rank": args.batch_size,
+        "repeats": args.repeats,
+        "env": {"jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")},
+        "cases": rows,
+    }
+    args.out.write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     args, (x, y) = parse_args(__doc__ or "")
     rank = jaxddp.rank()
@@ -201,16 +215,7 @@ def main() -> None:
                 flush=True,
             )
     if rank == 0 and args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "ranks": jaxddp.world_size(),
-            "path": path,
-            "batch_per_rank": args.batch_size,
-            "repeats": args.repeats,
-            "env": {"jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")},
-            "cases": rows,
-        }
-        args.out.write_text(json.dumps(result, indent=1))
+        write_result(args, path, rows)
 
 
 if __name__ == "__main__":

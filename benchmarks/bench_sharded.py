@@ -15,8 +15,6 @@ bound, 1/W of the unsharded state plus the padding), the median step of each, th
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import sys
 import timeit
@@ -31,7 +29,14 @@ from flax import nnx
 
 import jaxddp
 from benchmarks.bench_allreduce import interleaved_samples
-from benchmarks.bench_nnx_step import MODELS, ResidualMLP, _steps, make_step, parse_args
+from benchmarks.bench_nnx_step import (
+    MODELS,
+    ResidualMLP,
+    _steps,
+    make_step,
+    parse_args,
+    write_result,
+)
 from jaxddp import _primitive
 
 
@@ -100,16 +105,7 @@ def main() -> None:
                 flush=True,
             )
     if rank == 0 and args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        result = {
-            "ranks": jaxddp.world_size(),
-            "path": path,
-            "batch_per_rank": args.batch_size,
-            "repeats": args.repeats,
-            "env": {"jax": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", "")},
-            "cases": rows,
-        }
-        args.out.write_text(json.dumps(result, indent=1))
+        write_result(args, path, rows)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import optax
 
 from . import _comm, _settings
 
-__all__ = ["allreduce_gradients", "resolve_unused_parameters"]
+__all__ = ["allreduce_gradients", "check_flag", "filled", "resolve_unused_parameters"]
 
 CHECK_VARIABLE = _settings.CHECK.name
 
@@ -99,6 +99,32 @@ def _has_missing(tree: Any) -> bool:
     return any(_is_missing(leaf) for leaf in leaves)
 
 
+def filled(updates: Any, params: Any) -> Any:
+    """An optax update's gradients with unused parameters filled with zeros
+    (:func:`resolve_unused_parameters`); without ``params``, a ``ValueError`` if any is
+    missing."""
+    if params is not None:
+        return resolve_unused_parameters(updates, params)
+    if _has_missing(updates):
+        msg = (
+            "Some gradients are missing (None or float0 leaves) and `params` was not "
+            "passed, so jaxddp cannot fill them with zeros of the right shape. Call "
+            "`tx.update(grads, opt_state, params)` with the parameters."
+        )
+        raise ValueError(msg)
+    return updates
+
+
+def check_flag(check: bool | None) -> bool:
+    """A transform's ``check`` argument: None takes ``JAXDDP_CHECK``."""
+    if check is None:
+        return _settings.check_trees()
+    if not isinstance(check, bool):
+        msg = f"Expected `check` to be True, False or None, got {check!r} instead."
+        raise TypeError(msg)
+    return check
+
+
 def allreduce_gradients(
     *,
     op: str = "mean",
@@ -142,26 +168,14 @@ def allreduce_gradients(
       True
     """
     _comm.check_op(op)
-    if check is None:
-        check = _settings.check_trees()
-    elif not isinstance(check, bool):
-        msg = f"Expected `check` to be True, False or None, got {check!r} instead."
-        raise TypeError(msg)
+    check = check_flag(check)
 
     def init_fn(params: Any) -> optax.EmptyState:
         del params
         return optax.EmptyState()
 
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        if params is not None:
-            updates = resolve_unused_parameters(updates, params)
-        elif _has_missing(updates):
-            msg = (
-                "Some gradients are missing (None or float0 leaves) and `params` was not "
-                "passed, so jaxddp cannot fill them with zeros of the right shape. Call "
-                "`tx.update(grads, opt_state, params)` with the parameters."
-            )
-            raise ValueError(msg)
+        updates = filled(updates, params)
         reduced = _comm.reduce_all(updates, op, comm=comm, check=check, what="gradient tree")
         return reduced, state
 

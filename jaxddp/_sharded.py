@@ -22,9 +22,9 @@ import numpy as np
 import optax
 from jax.core import Tracer
 
-from . import _comm, _primitive, _settings, _signature
+from . import _comm, _primitive, _signature
 from ._buckets import chunks, wire_dtype
-from ._gradients import _has_missing, resolve_unused_parameters
+from ._gradients import check_flag, filled
 from ._sharded_check import check_elementwise
 
 __all__ = ["ShardedOptimizer", "ShardedState", "shard_optimizer"]
@@ -279,15 +279,7 @@ class _Sharder:
                 "checkpoint) becomes one with `tx.shard_state(full, params)`."
             )
             raise TypeError(msg)
-        if params is not None:
-            updates = resolve_unused_parameters(updates, params)
-        elif _has_missing(updates):
-            msg = (
-                "Some gradients are missing (None or float0 leaves) and `params` was not "
-                "passed, so jaxddp cannot fill them with zeros of the right shape. Call "
-                "`tx.update(grads, opt_state, params)` with the parameters."
-            )
-            raise ValueError(msg)
+        updates = filled(updates, params)
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         layout, channels = self.layout(updates, "the gradients")
         concrete = not any(isinstance(x, Tracer) for x in leaves)
@@ -427,10 +419,6 @@ def shard_optimizer(
     ):
         msg = f"Expected `clip_global_norm` to be a positive number, got {clip_global_norm!r}."
         raise ValueError(msg)
-    if check is None:
-        check = _settings.check_trees()
-    elif not isinstance(check, bool):
-        msg = f"Expected `check` to be True, False or None, got {check!r} instead."
-        raise TypeError(msg)
+    check = check_flag(check)
     sharder = _Sharder(inner, clip_global_norm, comm, check)
     return ShardedOptimizer(sharder.init, sharder.update)
