@@ -14,6 +14,10 @@ in; the modules of the launch that had finished on every rank before it keep the
 ``MPI_GROUP = "name"`` at module level gives a module (with the others of that name) a
 launch of its own: for tests that hold gigabytes per rank.
 
+Every launch is a quick one (``tests.harness.launch(quick=True)``: MPICH's waits sleep, XLA
+skips LLVM's optimizations); ``MPI_OPTIMIZED = True`` keeps LLVM's optimizations for the
+launch of a module whose programs run long (the large leaves' reductions of GiB).
+
 The items of the main launch at 2 ranks are the fast lane's (``pytest -m "not slow"``); those
 of every other launch (3 or 4 ranks, a variant, a group) are marked ``slow``.
 """
@@ -65,6 +69,7 @@ class Plan:
     names: list[str]
     variants: dict[str, dict[str, str]]
     group: str = ""
+    optimized: bool = False
 
 
 def _module_plan(path: Path) -> Plan:
@@ -86,6 +91,8 @@ def _module_plan(path: Path) -> Plan:
             plan.variants.update(ast.literal_eval(node.value))  # type: ignore[attr-defined]
         elif assigns(node, "MPI_GROUP"):
             plan.group = str(ast.literal_eval(node.value))  # type: ignore[attr-defined]
+        elif assigns(node, "MPI_OPTIMIZED"):
+            plan.optimized = bool(ast.literal_eval(node.value))  # type: ignore[attr-defined]
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith(
             "test"
         ):
@@ -202,6 +209,10 @@ class MPIRun:
                 # (other world sizes, variants, groups) share few: a cache would be
                 # written far more than read
                 compile_cache=False,
+                # no test here tests the stall inspector (test_stall.py does): waits that
+                # sleep and unoptimized code halve a launch on 2 cores (docs/testing.md)
+                quick=True,
+                optimized=any(_module_plan(p).optimized for p in self.ran),
             )
             for log in sorted(directory.glob("rank-*.log")):
                 rank = log.stem[len("rank-") :]

@@ -18,7 +18,9 @@ STEPS = 39  # 3 epochs of ceil(203 / 16) steps
 
 def _run(tmp_path, name, np_, *extra, directory="ckpt"):
     out = tmp_path / f"{name}.npz"
-    result = launch([SCRIPT, str(tmp_path / directory), str(out), *extra], np_, timeout=150)
+    result = launch(
+        [SCRIPT, str(tmp_path / directory), str(out), *extra], np_, timeout=150, quick=True
+    )
     return result, out
 
 

@@ -13,7 +13,7 @@ SCRIPTS = Path(__file__).with_name("scripts")
 
 
 def test_a_rank_that_raises_ends_the_whole_job():
-    result = launch([str(SCRIPTS / "raise_mid_training.py")], 2, timeout=60)
+    result = launch([str(SCRIPTS / "raise_mid_training.py")], 2, timeout=60, quick=True)
     assert not result.timed_out, result.report()
     assert result.returncode != 0
     assert result.elapsed < 30, result.report()
@@ -25,7 +25,7 @@ def test_a_rank_that_raises_ends_the_whole_job():
 
 def test_without_the_abort_the_same_job_hangs():
     env = dict(os.environ, JAXDDP_ABORT_ON_ERROR="0")
-    result = launch([str(SCRIPTS / "raise_mid_training.py")], 2, timeout=12, env=env)
+    result = launch([str(SCRIPTS / "raise_mid_training.py")], 2, timeout=12, env=env, quick=True)
     assert result.timed_out, result.report()
     assert "deadlock suspected" in result.report()
     assert "boom at step 3" in result.rank_logs["1"]
@@ -33,7 +33,7 @@ def test_without_the_abort_the_same_job_hangs():
 
 def test_a_rank_missing_from_the_check_is_an_error_not_a_hang():
     env = dict(os.environ, JAXDDP_CHECK_TIMEOUT="3")
-    result = launch([str(SCRIPTS / "check_timeout.py")], 2, timeout=60, env=env)
+    result = launch([str(SCRIPTS / "check_timeout.py")], 2, timeout=60, env=env, quick=True)
     assert not result.timed_out, result.report()
     assert result.returncode != 0
     assert result.elapsed < 30, result.report()
@@ -43,7 +43,7 @@ def test_a_rank_missing_from_the_check_is_an_error_not_a_hang():
 
 def test_a_rank_that_never_builds_its_sampler_is_an_error_within_the_deadline():
     env = dict(os.environ, JAXDDP_CHECK_TIMEOUT="3")
-    result = launch([str(SCRIPTS / "sampler_timeout.py")], 2, timeout=60, env=env)
+    result = launch([str(SCRIPTS / "sampler_timeout.py")], 2, timeout=60, env=env, quick=True)
     assert not result.timed_out, result.report()
     assert result.returncode != 0
     assert result.elapsed < 30, result.report()

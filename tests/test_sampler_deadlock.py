@@ -17,7 +17,7 @@ SCRIPT = Path(__file__).with_name("scripts") / "naive_shards.py"
 
 
 def test_naive_shards_deadlock_and_the_watchdog_catches_it():
-    result = launch([str(SCRIPT), "naive"], 2, timeout=30)
+    result = launch([str(SCRIPT), "naive"], 2, timeout=30, quick=True)
     report = result.report()
     assert result.timed_out, report
     assert "deadlock suspected" in report
@@ -28,7 +28,7 @@ def test_naive_shards_deadlock_and_the_watchdog_catches_it():
 
 
 def test_the_same_loop_over_the_sampler_finishes():
-    result = launch([str(SCRIPT), "sampler"], 2, timeout=90)
+    result = launch([str(SCRIPT), "sampler"], 2, timeout=90, quick=True)
     assert result.ok, result.report()
     for r in ("0", "1"):
         assert f"rank {r} finished after 4 batches: count 7, sum 28.0" in result.rank_logs[r]

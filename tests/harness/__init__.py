@@ -29,6 +29,25 @@ RANK_RUN_VARIABLE = "JAXDDP_TEST_RANK_RUN"
 # at a time, so no two processes ever write one folder at once (JAX writes its entries
 # without a lock unless ``filelock`` is installed).
 COMPILE_CACHE_VARIABLE = "JAXDDP_TEST_COMPILE_CACHE"
+# What ``launch(..., quick=True)`` adds to a launch's environment: settings that make a test
+# job cheaper on a shared machine without changing what it tests (docs/testing.md, "Quick
+# launches"). MPICH's waits sleep instead of spinning (a rank waiting in a collective gives
+# its core to the ranks and processes that work; the stall inspector's progress signal needs
+# the spin, so test_stall.py and the examples run without it), and XLA's compiler skips
+# LLVM's optimizations (the programs are the same HLO; tests/mpi's jobs compile far more
+# than they run).
+QUICK_ENV = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
+QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def quick_env(env: dict[str, str], *, optimized: bool = False) -> dict[str, str]:
+    """``env`` with :data:`QUICK_ENV` and (unless ``optimized``) :data:`QUICK_XLA_FLAGS`
+    added (``XLA_FLAGS`` that ``env`` already has are kept, after ours, so a test's own flags
+    win)."""
+    env = {**env, **QUICK_ENV}
+    if not optimized:
+        env["XLA_FLAGS"] = " ".join(f for f in (QUICK_XLA_FLAGS, env.get("XLA_FLAGS", "")) if f)
+    return env
 
 
 def default_timeout() -> float:
@@ -151,6 +170,8 @@ def launch(
     directory: str | Path | None = None,
     quiet: float | None = None,
     compile_cache: bool = True,
+    quick: bool = False,
+    optimized: bool = False,
 ) -> LaunchResult:
     """Runs ``python ARGV`` on ``np`` ranks and waits at most ``timeout`` seconds.
 
@@ -159,7 +180,10 @@ def launch(
     rank's log has grown for that many seconds (a long job of many short steps, each of
     which writes a line, gets a generous ``timeout`` and a short ``quiet``).
     ``compile_cache=False`` keeps the ranks off the suite's compilation cache
-    (``COMPILE_CACHE_VARIABLE``): a test that reads XLA's compile log. Never raises
+    (``COMPILE_CACHE_VARIABLE``): a test that reads XLA's compile log. ``quick=True`` runs
+    the ranks with :func:`quick_env`: for jobs that do not test the stall inspector and are
+    not an example run as a user runs it; ``optimized=True`` keeps LLVM's optimizations in
+    such a job (its programs run long). Never raises
     on a failed or hung job: the result says what happened, and ``report()`` shows it with
     every rank's output.
     """
@@ -185,6 +209,8 @@ def launch(
     if not compile_cache:
         full_env.pop(COMPILE_CACHE_VARIABLE, None)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
+    if quick:
+        full_env = quick_env(full_env, optimized=optimized)
     start = time.monotonic()
     proc = subprocess.Popen(
         command,
