@@ -1,6 +1,9 @@
 """A Flax NNX train step as a new user writes it, with and without gradient sync.
 
-    mpiexec -n 2 python benchmarks/bench_nnx_step.py --out benchmarks/results/nnx-step-np2.json
+    mpiexec -bind-to core -n 2 python benchmarks/bench_nnx_step.py --out benchmarks/results/nnx-step-np2.json
+
+(``-bind-to core``, MPICH's spelling, keeps each rank on a core of its own, as Open MPI's
+``mpirun`` does by default: see benchmarks/run.py.)
 
 Three residual MLPs (issue #11): a first ``nnx.Linear(32, width)``, ``blocks`` residual
 blocks ``x + LayerNorm(relu(Linear(width, width)(x)))``, a final ``nnx.Linear(width, 10)``:
