@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import launch
+from tests.harness import QUICK_ENV, QUICK_XLA_FLAGS, launch, quick_env
 
 pytestmark = pytest.mark.slow  # real launches, some waiting for the watchdog on purpose
 
@@ -53,6 +53,19 @@ def test_a_clean_launch_is_ok():
     result = launch([str(SCRIPTS / "exit_code.py"), "0"], 2, timeout=60)
     assert result.ok, result.report()
     assert result.rank_exits == {"0": 0, "1": 0}
+
+
+def test_a_quick_launch_keeps_the_tests_own_settings_and_can_keep_llvm_optimizations():
+    base = {"PATH": "/bin", "XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    quick = quick_env(base)
+    assert quick["XLA_FLAGS"].split() == [QUICK_XLA_FLAGS, "--xla_dump_to=/tmp/x"]
+    assert quick["PATH"] == "/bin"
+    assert all(quick[k] == v for k, v in QUICK_ENV.items())
+    assert base["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"  # the caller's dict is left alone
+    assert quick_env({})["XLA_FLAGS"] == QUICK_XLA_FLAGS
+    optimized = quick_env(base, optimized=True)
+    assert optimized["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+    assert "XLA_FLAGS" not in quick_env({}, optimized=True)
 
 
 @dataclass
