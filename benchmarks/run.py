@@ -57,7 +57,7 @@ def mpi_run(
     # Each rank bound to a core (Open MPI's default; MPICH's mpiexec binds nothing unless
     # told): unbound ranks move between the two cores and their steps' spread grows, which
     # a synchronous step pays for. 2026-12-01, the 100-leaf NNX step on jax 0.12: sync added
-    # 3.43x the limit unbound, 1.6-3.4x (median 2.6x, five runs) bound.
+    # 3.43x the limit unbound, 1.6-3.4x in five of six runs bound (docs/benchmarks).
     command = [MPIEXEC, "-bind-to", "core", "-n", str(np_), sys.executable]
     command += [str(HERE / script), *args]
     env = dict(os.environ)
