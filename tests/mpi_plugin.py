@@ -185,7 +185,8 @@ class MPIRun:
             # writes a line as it starts and ends); ``timeout`` is only the backstop, for a
             # rank that keeps writing while the others hang: one limit per test.
             per_test = default_timeout()
-            tests = sum(len(_module_plan(p).names) for p in self.ran)
+            plans = [_module_plan(p) for p in self.ran]
+            tests = sum(len(plan.names) for plan in plans)
             self.result = launch(
                 [
                     "-m",
@@ -212,7 +213,7 @@ class MPIRun:
                 # no test here tests the stall inspector (test_stall.py does): waits that
                 # sleep and unoptimized code halve a launch on 2 cores (docs/testing.md)
                 quick=True,
-                optimized=any(_module_plan(p).optimized for p in self.ran),
+                optimized=any(plan.optimized for plan in plans),
             )
             for log in sorted(directory.glob("rank-*.log")):
                 rank = log.stem[len("rank-") :]
