@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()  # batch norm now uses its running statistics
     accuracy = evaluate(model, x_test, y_test, batch_size=64)
     same = identical_on_all_ranks(nnx.state(model))  # parameters and batch statistics
-    console.print(f"training: {elapsed:.1f} s for {args.epochs} epochs of {steps} steps")
+    trained = args.epochs - first_epoch  # a resumed run trains the epochs after its checkpoint
+    console.print(f"training: {elapsed:.1f} s for {trained} epochs of {steps} steps")
     console.print(f"test accuracy: {accuracy:.2%} ({len(x_test)} test images)")
     console.print(f"model identical on all {size} ranks: {'yes' if same else 'NO'}")
     console.print(f"final parameters: digest {digest(nnx.state(model, nnx.Param))}")
