@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import _exit, _progress, _settings
 from .report import render
+from .sleeps import MainSleeps
 from .stacks import SHOWN_FRAMES, folded_stack
 
 _TAG_STATUS, _TAG_REQUEST, _TAG_REPORT = 7301, 7302, 7303
@@ -103,8 +104,8 @@ class _Watchdog:
         self.seen, self.changed = -1, time.monotonic()
         self.where: list[tuple[Any, int]] = []
         self.moves = 0
-        self.status_file: str | None = f"/proc/self/task/{threading.main_thread().native_id}/status"
-        self.sleeps = self._main_sleeps()
+        self.main_sleeps = MainSleeps(threading.main_thread().native_id)
+        self.sleeps, self.talked_at = self._main_sleeps(), time.monotonic()
         self.sends: list[Any] = []
         self.thread = threading.Thread(target=self._run, name="jaxddp-watchdog", daemon=True)
         # rank 0's view of every rank
@@ -207,7 +208,8 @@ class _Watchdog:
         thread last talked (it waited for a step's result, and the result came). A thread
         blocked in a collective does none of these: it sleeps once and for good (waiting for
         a compiled step, or asleep in the user's code), or spins in MPI in one call, where
-        it sleeps only while this thread holds MPI's lock."""
+        it sleeps only while this thread holds MPI's lock, or sleeps in short turns in an MPI
+        that sleeps while it polls (:meth:`MainSleeps.polling`: not progress)."""
         if self.exiting.is_set():  # the main thread polls in at_exit: not progress
             return self.moves
         frame = None if self.main is None else sys._current_frames().get(self.main)
@@ -216,7 +218,10 @@ class _Watchdog:
             where.append((frame.f_code, frame.f_lasti))
             compiling = compiling or frame.f_code.co_name.startswith("backend_compile")
             frame = frame.f_back
-        woke = self._main_sleeps() > self.sleeps  # since this thread last talked
+        wakes = self._main_sleeps() - self.sleeps  # since this thread last talked
+        woke = wakes > 0
+        if woke and not compiling and where == self.where:
+            woke = not self.main_sleeps.polling(wakes, time.monotonic() - self.talked_at)
         if compiling or woke or where != self.where:
             self.where = where
             self.moves += 1
@@ -225,17 +230,7 @@ class _Watchdog:
     def _main_sleeps(self) -> int:
         """How often the main thread has given up the CPU to wait (Linux's count of its
         voluntary context switches; 0 where the platform does not tell)."""
-        if self.status_file is None:
-            return 0
-        try:
-            with open(self.status_file) as f:
-                for line in f:
-                    if line.startswith("voluntary_ctxt_switches:"):
-                        return int(line.split()[1])
-        except (OSError, ValueError, IndexError):
-            pass
-        self.status_file = None  # the main thread has ended, or no /proc
-        return 0
+        return self.main_sleeps.count()
 
     def _step(self) -> None:
         try:
@@ -243,7 +238,7 @@ class _Watchdog:
         finally:
             # The main thread also sleeps when it waits for MPI's lock while this thread
             # talks (a collective spinning in MPI): those sleeps are not progress.
-            self.sleeps = self._main_sleeps()
+            self.sleeps, self.talked_at = self._main_sleeps(), time.monotonic()
 
     def _talk(self) -> None:
         now = time.monotonic()
