@@ -31,7 +31,7 @@ SIZES = [2, 4]
 # How the waiting ranks wait: at 2 ranks MPICH's default (they spin in MPI), at 4 ranks in a
 # quick launch (tests/harness: MPICH's heavy yield, a nanosleep on every turn of its polling
 # loop, which the inspector must not take for progress; jaxddp/_watchdog/sleeps.py). So each
-# stall is caught both ways, and three waiting ranks no longer spin on the two cores.
+# stall is caught both ways.
 SLEEPING_WAITS_AT = {4}
 
 
@@ -220,7 +220,8 @@ def healthy():
     tests on one xdist worker."""
     env = dict(os.environ, JAXDDP_STALL_WARN="3")
     # with MPICH's sleeping waits: their wakes are not progress, and a healthy loop must
-    # still be seen as one (at MPICH's default, test_examples.py's digits run checks that)
+    # still be seen as one (by the same wakes of a step's result that it relies on at
+    # MPICH's default; test_examples.py's digits run checks a healthy job there too)
     result = launch([str(STALL), "healthy", "1", "6"], 2, timeout=150, env=env, quick=True)
     assert result.ok, result.report()
     for log in result.rank_logs.values():
