@@ -17,8 +17,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _watched(work):
-    """Runs ``work(stop)`` on a thread for half a second; returns its MainSleeps, its wakes
-    over that half second and whether they looked like polling."""
+    """Runs ``work(stop)`` on a thread for half a second; returns its wakes, the seconds
+    they were counted over, and whether :meth:`MainSleeps.polling` took them for polling."""
     stop = threading.Event()
     started = threading.Event()
     ids = []

@@ -105,7 +105,7 @@ class _Watchdog:
         self.where: list[tuple[Any, int]] = []
         self.moves = 0
         self.main_sleeps = MainSleeps(threading.main_thread().native_id)
-        self.sleeps, self.talked_at = self._main_sleeps(), time.monotonic()
+        self.sleeps, self.talked_at = self.main_sleeps.count(), time.monotonic()
         self.sends: list[Any] = []
         self.thread = threading.Thread(target=self._run, name="jaxddp-watchdog", daemon=True)
         # rank 0's view of every rank
@@ -167,14 +167,14 @@ class _Watchdog:
             if left <= 0:
                 return
             time.sleep(min(NAP, left))
-            before = self._main_sleeps()
+            before = self.main_sleeps.count()
             try:
                 self._answer_flush()
             except Exception:  # noqa: BLE001 - never let a flush end the inspector
                 return
             finally:
                 # the main thread's sleeps while this thread held MPI's lock: not progress
-                self.sleeps += self._main_sleeps() - before
+                self.sleeps += self.main_sleeps.count() - before
 
     def _answer_flush(self) -> None:
         status = self.MPI.Status()
@@ -218,7 +218,7 @@ class _Watchdog:
             where.append((frame.f_code, frame.f_lasti))
             compiling = compiling or frame.f_code.co_name.startswith("backend_compile")
             frame = frame.f_back
-        wakes = self._main_sleeps() - self.sleeps  # since this thread last talked
+        wakes = self.main_sleeps.count() - self.sleeps  # since this thread last talked
         woke = wakes > 0
         if woke and not compiling and where == self.where:
             woke = not self.main_sleeps.polling(wakes, time.monotonic() - self.talked_at)
@@ -227,18 +227,13 @@ class _Watchdog:
             self.moves += 1
         return self.moves
 
-    def _main_sleeps(self) -> int:
-        """How often the main thread has given up the CPU to wait (Linux's count of its
-        voluntary context switches; 0 where the platform does not tell)."""
-        return self.main_sleeps.count()
-
     def _step(self) -> None:
         try:
             self._talk()
         finally:
             # The main thread also sleeps when it waits for MPI's lock while this thread
             # talks (a collective spinning in MPI): those sleeps are not progress.
-            self.sleeps, self.talked_at = self._main_sleeps(), time.monotonic()
+            self.sleeps, self.talked_at = self.main_sleeps.count(), time.monotonic()
 
     def _talk(self) -> None:
         now = time.monotonic()
