@@ -49,9 +49,9 @@ def _identical(tree):
     )
 
 
-def _assert_close(got, expected, atol=1e-6):
+def _assert_close(got, expected, atol=1e-6, rtol=0.0):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=atol)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
 
 
 def test_the_last_batch_of_the_upper_ranks_is_only_padding():
@@ -114,14 +114,17 @@ def test_sync_batch_norm_with_padding_only_ranks_trains_as_one_process(fast_vari
     one_state, one_losses, one_grads = _train_nnx(flax, SELF)
     assert _identical(state)  # parameters and running statistics, without average_state
     assert np.all(np.isfinite(losses))
-    # The two-pass variance is exact to rounding. E[x**2] - E[x]**2 over a last batch of 1
-    # or 2 samples amplifies rounding (d rsqrt(var + eps) / d var is -eps**-1.5 / 2 at var
-    # 0): Flax against Flax in another summation order differs as much, so the fast form
-    # is held to what it can give.
-    atol = 1e-3 if fast_variance else 1e-6
-    np.testing.assert_allclose(losses, one_losses, rtol=atol)
-    _assert_close(grads, one_grads, atol=atol)  # the step whose batch is padding on some
-    _assert_close(state, one_state, atol=atol)
+    # The two-pass variance is exact to rounding, but a last batch of 1 or 2 real samples
+    # has a variance near 0, where d rsqrt(var + eps) / d var is -eps**-1.5 / 2: the
+    # earlier steps' rounding (4 partial sums of 16 against one sum of 64) comes out
+    # amplified there. Seen: 1e-6 on AVX-512 cores, 2.6e-5 (relative) on AVX2 ones, where
+    # XLA sums in other orders. E[x**2] - E[x]**2 amplifies it more (Flax against Flax in
+    # another summation order differs as much), so the fast form is held to what it can
+    # give. Padding counted as data (tried at 4 ranks) moves the losses by up to 2.3.
+    tol = 1e-3 if fast_variance else 1e-4
+    np.testing.assert_allclose(losses, one_losses, rtol=tol, atol=tol)  # order 1: 0.07-3.3
+    _assert_close(grads, one_grads, atol=tol, rtol=tol)  # the step that is padding on some
+    _assert_close(state, one_state, atol=tol, rtol=tol)
 
 
 # ---- linen: LinenSyncBatchNorm against one process's nn.BatchNorm -------------------------
