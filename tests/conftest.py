@@ -22,18 +22,24 @@ from tests.mpi_plugin import (
 )
 
 
+# The compilation cache folder this pytest process made (and removes at its end).
+_made_cache: list[str] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
     mpi_configure(config)
-    if not os.environ.get(RANK_RUN_VARIABLE):
-        # This process's launches (one at a time) share JAX's compilation cache, a folder
-        # per rank number (tests/harness: COMPILE_CACHE_VARIABLE); each xdist worker, each
-        # pytest in a subprocess, makes its own.
-        os.environ[COMPILE_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="jaxddp-compile-cache-")
+    if not os.environ.get(RANK_RUN_VARIABLE) and not os.environ.get(COMPILE_CACHE_VARIABLE):
+        # Every launch of this pytest run shares JAX's compilation cache (tests/harness:
+        # COMPILE_CACHE_VARIABLE): the xdist workers and any pytest run in a subprocess
+        # inherit the folder that the first pytest process made.
+        _made_cache.append(tempfile.mkdtemp(prefix="jaxddp-compile-cache-"))
+        os.environ[COMPILE_CACHE_VARIABLE] = _made_cache[0]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if not os.environ.get(RANK_RUN_VARIABLE):
-        shutil.rmtree(os.environ.pop(COMPILE_CACHE_VARIABLE, ""), ignore_errors=True)
+    while _made_cache:
+        os.environ.pop(COMPILE_CACHE_VARIABLE, None)
+        shutil.rmtree(_made_cache.pop(), ignore_errors=True)
 
 
 # -- parallel runs (``pytest -n 3``, as ``nox -s tests`` runs the suite) ---------------------

@@ -206,10 +206,6 @@ class MPIRun:
                 env={**os.environ, **self.env} if self.env else None,
                 timeout=per_test * max(tests, 1),
                 quiet=per_test,
-                # each program of tests/mpi compiles once per launch, and its launches
-                # (other world sizes, variants, groups) share few: a cache would be
-                # written far more than read
-                compile_cache=False,
                 # no test here tests the stall inspector (test_stall.py does): waits that
                 # sleep and unoptimized code halve a launch on 2 cores (docs/testing.md)
                 quick=True,

@@ -22,12 +22,11 @@ DEFAULT_TIMEOUT = 120.0
 TIMEOUT_VARIABLE = "JAXDDP_TEST_TIMEOUT"
 # Set in every rank of a launch, so the test plugin knows it is inside one.
 RANK_RUN_VARIABLE = "JAXDDP_TEST_RANK_RUN"
-# A folder (tests/conftest.py makes one per pytest process: per xdist worker) in which each
-# rank of a launch keeps JAX's persistent compilation cache, one folder per rank number
-# (``rank.py``): the suite's launches run the same few scripts again and again, and a rank
-# that finds its programs there skips XLA's compile. Launches of one pytest process run one
-# at a time, so no two processes ever write one folder at once (JAX writes its entries
-# without a lock unless ``filelock`` is installed).
+# A folder (tests/conftest.py makes one per pytest run, its xdist workers inherit it) that
+# every rank of every launch uses as JAX's persistent compilation cache (``rank.py``:
+# ``ClaimingCache``): the ranks of a launch compile the same programs at the same time, and
+# the suite's launches run the same few scripts again and again. The first process to miss
+# a program compiles it; the others wait for its entry.
 COMPILE_CACHE_VARIABLE = "JAXDDP_TEST_COMPILE_CACHE"
 # What ``launch(..., quick=True)`` adds to a launch's environment: settings that make a test
 # job cheaper on a shared machine without changing what it tests (docs/testing.md, "Quick
