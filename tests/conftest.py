@@ -21,7 +21,6 @@ from tests.mpi_plugin import (
     pytest_warning_recorded,
 )
 
-
 # The compilation cache folder this pytest process made (and removes at its end).
 _made_cache: list[str] = []
 

@@ -18,7 +18,8 @@ from tests.harness import COMPILE_CACHE_VARIABLE, launch
 
 RANK_PY = Path(__file__).parent / "harness" / "rank.py"
 spec = importlib.util.spec_from_file_location("jaxddp_test_rank", RANK_PY)
-assert spec is not None and spec.loader is not None
+assert spec is not None
+assert spec.loader is not None
 rank_py = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(rank_py)
 ClaimingCache = rank_py.ClaimingCache
