@@ -21,6 +21,7 @@ import faulthandler
 import importlib.abc
 import importlib.util
 import os
+import pathlib
 import runpy
 import signal
 import sys
@@ -79,8 +80,6 @@ class ClaimingCache:
     """
 
     def __init__(self, path: str) -> None:
-        import pathlib
-
         self._path = pathlib.Path(path)  # JAX's caches expose ``_path``
         self._path.mkdir(parents=True, exist_ok=True)
         self._claimed: set[str] = set()
