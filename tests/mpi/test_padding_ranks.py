@@ -117,10 +117,11 @@ def test_sync_batch_norm_with_padding_only_ranks_trains_as_one_process(fast_vari
     # The two-pass variance is exact to rounding, but a last batch of 1 or 2 real samples
     # has a variance near 0, where d rsqrt(var + eps) / d var is -eps**-1.5 / 2: the
     # earlier steps' rounding (4 partial sums of 16 against one sum of 64) comes out
-    # amplified there. Seen: 1e-6 on AVX-512 cores, 2.6e-5 (relative) on AVX2 ones, where
-    # XLA sums in other orders. E[x**2] - E[x]**2 amplifies it more (Flax against Flax in
-    # another summation order differs as much), so the fast form is held to what it can
-    # give. Padding counted as data (tried at 4 ranks) moves the losses by up to 2.3.
+    # amplified there. Seen: within 1e-6 on an earlier host, 2.6e-5 (relative) on an AVX2
+    # EPYC (the order XLA sums in follows the CPU's vector width). E[x**2] - E[x]**2
+    # amplifies it more (Flax against Flax in another summation order differs as much), so
+    # the fast form is held to what it can give. Padding counted as data (tried at 4
+    # ranks) moves the losses by up to 2.3.
     tol = 1e-3 if fast_variance else 1e-4
     np.testing.assert_allclose(losses, one_losses, rtol=tol, atol=tol)  # order 1: 0.07-3.3
     _assert_close(grads, one_grads, atol=tol, rtol=tol)  # the step that is padding on some
