@@ -4,24 +4,17 @@ and no rank waits for a claim that nobody will fulfil."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.harness import COMPILE_CACHE_VARIABLE, launch
+from tests.harness import rank as rank_py
 
-RANK_PY = Path(__file__).parent / "harness" / "rank.py"
-spec = importlib.util.spec_from_file_location("jaxddp_test_rank", RANK_PY)
-assert spec is not None
-assert spec.loader is not None
-rank_py = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(rank_py)
 ClaimingCache = rank_py.ClaimingCache
 
 

@@ -88,10 +88,16 @@ class ClaimingCache:
     def _file(self, key: str, kind: str):
         return self._path / f"{key}-{kind}"
 
+    def _entry(self, key: str) -> bytes | None:
+        try:
+            return self._file(key, "cache").read_bytes()
+        except FileNotFoundError:
+            return None
+
     def get(self, key: str) -> bytes | None:
         self._release_all()
-        with contextlib.suppress(FileNotFoundError):
-            return self._file(key, "cache").read_bytes()
+        if (entry := self._entry(key)) is not None:
+            return entry
         try:
             fd = os.open(self._file(key, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
@@ -113,14 +119,12 @@ class ClaimingCache:
         ends, gives the claim up without an entry, or takes longer than CLAIM_WAIT."""
         claim, deadline = self._file(key, "claim"), time.monotonic() + CLAIM_WAIT
         while True:
-            with contextlib.suppress(FileNotFoundError):
-                return self._file(key, "cache").read_bytes()
+            if (entry := self._entry(key)) is not None:
+                return entry
             try:
                 owner = claim.read_text()
             except FileNotFoundError:  # released: the entry was written just before, or never
-                with contextlib.suppress(FileNotFoundError):
-                    return self._file(key, "cache").read_bytes()
-                return None
+                return self._entry(key)
             if owner.isdigit() and not _alive(int(owner)):
                 with contextlib.suppress(FileNotFoundError):
                     claim.unlink()
