@@ -23,10 +23,16 @@ def render(
     """The stall report, as rank 0 prints it: the ranks behind first."""
     size = len(got)
     behind = [r for r in sorted(got) if _behind(got[r])]
-    if not behind:  # every rank waits: those that made the least progress wait elsewhere
-        counts = {r: e["count"] for r, e in got.items() if isinstance(e, dict)}
+    # Every rank waits: those that made the least progress wait elsewhere. Compared by
+    # jaxddp's own events first (batches drawn, collectives called from Python: the same on
+    # every rank of a program in step), then by all progress seen, which adds what the
+    # inspector saw the main thread do (ticks spent compiling, wakes), a count that differs
+    # between ranks by timing alone.
+    for key in ("events", "count") if not behind else ():
+        counts = {r: e[key] for r, e in got.items() if isinstance(e, dict)}
         if len(set(counts.values())) > 1:
             behind = [r for r in sorted(counts) if counts[r] == min(counts.values())]
+            break
     others = [r for r in sorted(got) if r not in behind]
     named = ", ".join(map(str, behind)) if behind else "none found (every rank waits in jaxddp)"
     lines = [

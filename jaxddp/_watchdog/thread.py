@@ -343,6 +343,7 @@ class _Watchdog:
             "seq": seq,
             "rank": self.rank,
             "count": self.seen,
+            "events": _progress.count,
             "label": _progress.label,
             "since": now - self.changed,
             "user": user[:SHOWN_FRAMES],
