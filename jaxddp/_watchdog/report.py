@@ -23,16 +23,17 @@ def render(
     """The stall report, as rank 0 prints it: the ranks behind first."""
     size = len(got)
     behind = [r for r in sorted(got) if _behind(got[r])]
-    # Every rank waits: those that made the least progress wait elsewhere. Compared by
-    # jaxddp's own events first (batches drawn, collectives called from Python: the same on
-    # every rank of a program in step), then by all progress seen, which adds what the
-    # inspector saw the main thread do (ticks spent compiling, wakes), a count that differs
-    # between ranks by timing alone.
-    for key in ("events", "count") if not behind else ():
-        counts = {r: e[key] for r, e in got.items() if isinstance(e, dict)}
-        if len(set(counts.values())) > 1:
-            behind = [r for r in sorted(counts) if counts[r] == min(counts.values())]
-            break
+    if not behind:
+        # Every rank waits: those that made the least progress wait elsewhere. Compared by
+        # jaxddp's own events first (batches drawn, jaxddp functions called from Python: the
+        # same on every rank of a program in step), then by all progress seen, which adds
+        # what the inspector saw the main thread do (ticks spent compiling, wakes), a count
+        # that differs between ranks by timing alone.
+        for key in ("events", "count"):
+            counts = {r: e[key] for r, e in got.items() if isinstance(e, dict)}
+            if len(set(counts.values())) > 1:
+                behind = [r for r in sorted(counts) if counts[r] == min(counts.values())]
+                break
     others = [r for r in sorted(got) if r not in behind]
     named = ", ".join(map(str, behind)) if behind else "none found (every rank waits in jaxddp)"
     lines = [
