@@ -12,6 +12,19 @@ def _behind(entry: dict[str, Any] | float) -> bool:
     return not isinstance(entry, dict) or entry["exited"] is not None or entry["waiting"] is None
 
 
+def _least_progress(got: dict[int, dict[str, Any] | float]) -> list[int]:
+    """When every rank waits, those that made the least progress (they wait elsewhere):
+    compared by jaxddp's own events first (batches drawn, jaxddp functions called from
+    Python: the same on every rank of a program in step), then by all progress seen, which
+    adds what the inspector saw the main thread do (ticks spent compiling, wakes), a count
+    that differs between ranks by timing alone. None where every rank made the same."""
+    for key in ("events", "count"):
+        counts = {r: e[key] for r, e in got.items() if isinstance(e, dict)}
+        if len(set(counts.values())) > 1:
+            return [r for r in sorted(counts) if counts[r] == min(counts.values())]
+    return []
+
+
 def render(
     got: dict[int, dict[str, Any] | float],
     stalled: float,
@@ -22,18 +35,7 @@ def render(
 ) -> str:
     """The stall report, as rank 0 prints it: the ranks behind first."""
     size = len(got)
-    behind = [r for r in sorted(got) if _behind(got[r])]
-    if not behind:
-        # Every rank waits: those that made the least progress wait elsewhere. Compared by
-        # jaxddp's own events first (batches drawn, jaxddp functions called from Python: the
-        # same on every rank of a program in step), then by all progress seen, which adds
-        # what the inspector saw the main thread do (ticks spent compiling, wakes), a count
-        # that differs between ranks by timing alone.
-        for key in ("events", "count"):
-            counts = {r: e[key] for r, e in got.items() if isinstance(e, dict)}
-            if len(set(counts.values())) > 1:
-                behind = [r for r in sorted(counts) if counts[r] == min(counts.values())]
-                break
+    behind = [r for r in sorted(got) if _behind(got[r])] or _least_progress(got)
     others = [r for r in sorted(got) if r not in behind]
     named = ", ".join(map(str, behind)) if behind else "none found (every rank waits in jaxddp)"
     lines = [
