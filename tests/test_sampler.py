@@ -663,7 +663,7 @@ CONFIGS = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)  # no deadline: tests/conftest.py
 @given(config=CONFIGS, data=st.data())
 def test_properties(config, data):
     n, w, batch_size = config["n"], config["w"], config["batch_size"]

@@ -2,6 +2,7 @@
 snapshots the ranks send; the launches of tests/test_stall.py check the report end to end."""
 
 from jaxddp._watchdog.report import render
+from tests.test_stall import behind
 
 
 def _waiting(events: int, count: int, waiting: str = "a jaxddp collective") -> dict:
@@ -18,8 +19,7 @@ def _waiting(events: int, count: int, waiting: str = "a jaxddp collective") -> d
 
 
 def _behind(got: dict) -> str:
-    report = render(got, 30.0, 5.0, None, aborting=False)
-    return report.split("behind: ", 1)[1].split(" ====", 1)[0]
+    return behind(render(got, 30.0, 5.0, None, aborting=False))
 
 
 def test_a_rank_with_fewer_events_is_behind_whatever_the_inspector_saw_it_do():
