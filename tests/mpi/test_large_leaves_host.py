@@ -8,6 +8,7 @@ from tests.mpi.large_leaves import (  # noqa: F401 - free_memory is an autouse f
     _check,
     _expected_broadcast,
     _expected_sum,
+    _flags,
     _pattern,
     _windows,
     free_memory,
@@ -29,11 +30,7 @@ def test_allreduce_of_a_leaf_past_2_31_elements_on_concrete_values():
 
 
 def test_broadcast_of_a_bool_leaf_past_2_31_elements_on_concrete_values():
-    values = _pattern(np)
-    values += np.uint8(rank)
-    values %= 3
-    flags = values == 0
-    del values
+    flags = _flags(np)
     out = jaxddp.broadcast({"flags": flags}, root=1)["flags"]
     del flags
     assert out.shape == (N,)

@@ -9,6 +9,7 @@ from tests.mpi.large_leaves import (  # noqa: F401 - free_memory is an autouse f
     _check,
     _expected_broadcast,
     _expected_sum,
+    _flags,
     _pattern,
     _windows,
     free_memory,
@@ -30,7 +31,7 @@ def test_allreduce_of_a_leaf_past_2_31_elements_under_jit():
 
 def test_broadcast_of_a_bool_leaf_past_2_31_elements_under_jit():
     def step():
-        flags = (_pattern(jnp) + jnp.uint8(rank)) % 3 == 0
+        flags = _flags(jnp)
         return _windows(jaxddp.broadcast({"flags": flags}, root=1)["flags"])
 
     _check(jax.jit(step)(), _expected_broadcast(root=1))
