@@ -35,7 +35,7 @@ SKIP = "JAXDDP_SKIP_LAUNCHER_CHECK"
 # Open MPI refuses to run as root without these; more ranks than cores needs the second.
 OMPI_ARGS = ("--allow-run-as-root", "--oversubscribe")
 # Open MPI's launcher ends the job as soon as one rank exits non-zero: a rank still
-# importing then leaves no line at all (seen when the other rank's exit was 0.3 s quicker).
+# importing then leaves no line at all (seen in a clean-clone run once ranks exited quicker).
 # A test that reads every rank's refusal lets each rank run to its own end instead; the job
 # then exits 0 whatever the ranks did, so such a test checks each rank's exit status.
 OMPI_EVERY_RANK = (*OMPI_ARGS, "--runtime-options", "error-nonzero-status=false")
