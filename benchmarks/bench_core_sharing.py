@@ -15,7 +15,11 @@ waits and under its sleeping waits (``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``: a nanosl
 ``sched_yield`` between polls, so the waiting thread gives the core back at once and is woken
 with a sleeper's priority). Each case is its own ``mpiexec`` launch with a timeout; each call
 follows a barrier, so what is timed is the collective with ranks lined up. Per case, the
-median over ranks of each rank's median.
+median over ranks of each rank's median. A third setting waits with ``MPI_Test`` on
+``MPI_Iallreduce`` (and ``MPI_Ibarrier``): MPICH's blocking wait under
+``MPI_THREAD_MULTIPLE`` calls ``sched_yield`` between polls (``strace -c``: ~6000 calls in
+320 allreduces), which hands the core to the other thread for a whole slice; ``MPI_Test``
+never yields.
 """
 
 from __future__ import annotations
@@ -31,13 +35,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SIZES = {"4 B": 1, "0.42 MB": 105674}  # float32 elements: a scalar; the 100-leaf gradients
+# Each setting: the environment of the launch, and whether the ranks wait with MPI_Test on a
+# nonblocking call (Ibarrier, Iallreduce) instead of in the blocking one, as jaxddp's own
+# allreduce handler does (jaxddp/_native; there the wait also naps, which a spinning
+# process beside it would not show).
 SETTINGS = {
-    "default waits": {},
-    "sleeping waits": {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"},
+    "default waits": ({}, False),
+    "sleeping waits": ({"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}, False),
+    "MPI_Test polls": ({}, True),
 }
 
 
-def worker(elements: int, repeats: int, hog: bool) -> None:
+def worker(elements: int, repeats: int, hog: bool, polls: bool) -> None:
     import numpy as np
     from mpi4py import MPI
 
@@ -49,13 +58,24 @@ def worker(elements: int, repeats: int, hog: bool) -> None:
     try:
         send = np.ones(elements, np.float32)
         recv = np.empty_like(send)
+
+        def wait(request: MPI.Request) -> None:
+            while not request.Test():
+                pass
+
+        barrier = (lambda: wait(comm.Ibarrier())) if polls else comm.Barrier
+        allreduce = (
+            (lambda: wait(comm.Iallreduce(send, recv)))
+            if polls
+            else (lambda: comm.Allreduce(send, recv))
+        )
         for _ in range(20):
-            comm.Allreduce(send, recv)
+            allreduce()
         times = []
         for _ in range(repeats):
-            comm.Barrier()
+            barrier()
             start = time.perf_counter()
-            comm.Allreduce(send, recv)
+            allreduce()
             times.append(time.perf_counter() - start)
     finally:
         if spinner is not None:
@@ -66,10 +86,13 @@ def worker(elements: int, repeats: int, hog: bool) -> None:
         print(json.dumps({"median_s": statistics.median(medians), "rank_medians_s": medians}))
 
 
-def launch(np_: int, elements: int, repeats: int, hog: bool, env: dict[str, str]) -> dict:
+def launch(
+    np_: int, elements: int, repeats: int, *, hog: bool, env: dict[str, str], polls: bool
+) -> dict:
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     command = [mpiexec, "-bind-to", "core", "-n", str(np_), sys.executable, __file__]
-    command += ["--worker", str(elements), "--repeats", str(repeats)] + (["--hog"] if hog else [])
+    command += ["--worker", str(elements), "--repeats", str(repeats)]
+    command += (["--hog"] if hog else []) + (["--polls"] if polls else [])
     env = {**os.environ, **env}
     out = subprocess.run(command, check=False, env=env, capture_output=True, text=True, timeout=300)
     if out.returncode != 0:
@@ -85,17 +108,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--hog", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--polls", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.worker, args.repeats, args.hog)
+        worker(args.worker, args.repeats, args.hog, args.polls)
         return
     rows = []
-    for setting, env in SETTINGS.items():
+    for setting, (env, polls) in SETTINGS.items():
         for size, elements in SIZES.items():
             row = {"setting": setting, "size": size}
             for hog in (False, True):
                 row["busy core" if hog else "idle core"] = launch(
-                    args.np, elements, args.repeats, hog, env
+                    args.np, elements, args.repeats, hog=hog, env=env, polls=polls
                 )["median_s"]
             rows.append(row)
             print(
