@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from . import _launcher, _primitive, _settings, _world
+from . import _launcher, _native, _primitive, _settings, _world
 from ._jax_compat import MPI4JAX_CPU_BRIDGE
 from ._launcher import LauncherMismatchError, LauncherReport, LauncherWarning, Verdict
 
@@ -122,6 +122,7 @@ class Facts:
     python: str
     collective_path: str  # "fast" or "ordered": how collectives inside jax.jit are staged
     collective_path_reason: str
+    allreduce_handler: str  # jaxddp/_native: which handler jitted allreduces run, and why
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +186,7 @@ def _common_facts() -> Facts:
         python=sys.executable,
         collective_path="fast" if fast else "ordered",
         collective_path_reason=why,
+        allreduce_handler=_native.status(),
     )
 
 
@@ -310,6 +312,7 @@ def _text(rows: list[RankRow], facts: Facts, problems: list[str], verdict: str, 
             "  ",
             " " * 16,
         ),
+        *wrap(f"allreduce:    {facts.allreduce_handler}", "  ", " " * 16),
         *wrap(f"mpi4jax:      {first.mpi4jax.detail}", "  ", " " * 16),
         f"  {skip_name}: {skip if skip is not None else 'not set'}",
         "",

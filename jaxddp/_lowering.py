@@ -1,5 +1,6 @@
-"""How jaxddp's collectives become XLA custom calls: the FFI targets mpi4jax registers,
-their attributes, and the token that chains one call to the next."""
+"""How jaxddp's collectives become XLA custom calls: the FFI targets mpi4jax registers (and
+jaxddp's own allreduce, :mod:`jaxddp._native`), their attributes, and the token that chains
+one call to the next."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from . import _jax_compat as compat
+from . import _native
 
 __all__ = ["Handle", "emit", "out_avals"]
 
@@ -86,7 +88,10 @@ def emit(
 ) -> tuple[Any, list[Any]]:
     """One side-effecting custom call per buffer, each taking the previous call's token."""
 
-    rule = jax.ffi.ffi_lowering(_TARGETS[kind], has_side_effect=True)
+    target = _TARGETS[kind]
+    if kind == "allreduce" and tuple(ctx.module_context.platforms) == ("cpu",):
+        target = _native.allreduce_target() or target  # what every rank agreed on
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
     outs = []
     for x, aval_in, aval_out in zip(xs, *avals, strict=True):
         token_aval = compat.abstract_token()

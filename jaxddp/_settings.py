@@ -20,6 +20,7 @@ __all__ = [
     "ABORT_ON_ERROR",
     "CHECK",
     "CHECK_TIMEOUT",
+    "NATIVE_ALLREDUCE",
     "SETTINGS",
     "SKIP_LAUNCHER_CHECK",
     "STALL_ABORT",
@@ -31,6 +32,7 @@ __all__ = [
     "abort_on_error",
     "check_timeout",
     "check_trees",
+    "native_allreduce",
     "skip_launcher_check",
     "stall_abort",
     "stall_warn",
@@ -122,6 +124,17 @@ STARTUP_TIMEOUT = Setting(
     "set) before it gives up with a message that some rank probably died before starting "
     "MPI, and is killed.",
 )
+NATIVE_ALLREDUCE = Setting(
+    "JAXDDP_NATIVE_ALLREDUCE",
+    "a boolean",
+    "on",
+    "Allreduces inside `jax.jit` (on CPU) run jaxddp's own XLA handler, built on first use "
+    "with the C++ compiler (`$CXX` or `c++`) into `~/.cache/jaxddp/native` (or "
+    "`$XDG_CACHE_HOME`'s): its wait gives a shared core back to the Python thread instead of "
+    "yielding it for whole time slices (see [Benchmarks](benchmarks/index.md)). Off, or where "
+    "some rank cannot build or load it, every rank uses mpi4jax's handler; `jaxddp doctor` "
+    "says which. Read once, when jaxddp's world starts; every rank must agree, and does.",
+)
 
 SETTINGS = (
     SKIP_LAUNCHER_CHECK,
@@ -131,6 +144,7 @@ SETTINGS = (
     STALL_WARN,
     STALL_ABORT,
     STARTUP_TIMEOUT,
+    NATIVE_ALLREDUCE,
 )
 
 
@@ -184,6 +198,11 @@ def check_trees(env: Mapping[str, str] | None = None) -> bool:
     """``JAXDDP_CHECK``: whether collectives check their signatures (and
     ``allreduce_gradients`` its trees) by default."""
     return _boolean(CHECK, _raw(CHECK, env), default=True)
+
+
+def native_allreduce(env: Mapping[str, str] | None = None) -> bool:
+    """``JAXDDP_NATIVE_ALLREDUCE``: whether jitted allreduces may use jaxddp's own handler."""
+    return _boolean(NATIVE_ALLREDUCE, _raw(NATIVE_ALLREDUCE, env), default=True)
 
 
 def abort_on_error(env: Mapping[str, str] | None = None) -> bool:

@@ -16,7 +16,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from . import _exit, _launcher, _mpi, _settings, _watchdog
+from . import _exit, _launcher, _mpi, _native, _settings, _watchdog
 
 __all__ = [
     "World",
@@ -110,6 +110,7 @@ class World:
         # calls made from compiled code. Sharing one between the two can mix up messages.
         self.py_comm = world.Clone()
         self.jax_comm = world.Clone()
+        _native.agree(MPI, world)  # the handler of jitted allreduces, the same on every rank
 
 
 def init() -> World:

@@ -25,6 +25,20 @@ def test_local_rank_matches_the_launcher():
     assert jaxddp.local_rank() == int(os.environ["MPI_LOCALRANKID"])
 
 
+def test_jitted_allreduces_run_jaxddps_own_handler_on_every_rank():
+    # The suite runs with JAXDDP_NATIVE_ALLREDUCE on (its default) on a host with a C++
+    # compiler: every jitted allreduce of tests/mpi goes through jaxddp/_native.
+    from jaxddp import _native
+
+    assert _native.allreduce_target() == _native.TARGET, _native.status()
+    x = jnp.arange(105674, dtype=jnp.float32) * (rank + 1)
+    f = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"))
+    assert f'custom_call_target="{_native.TARGET}"' in f.lower(x).compile().as_text()
+    np.testing.assert_array_equal(
+        f(x), np.arange(105674, dtype=np.float32) * sum(r + 1 for r in range(size))
+    )
+
+
 def _tree(r):
     """A nested tree whose values depend on the rank r."""
     return {

@@ -1,0 +1,40 @@
+"""Run on ranks: which allreduce handler the ranks agreed on, and its values.
+
+``split``: the launcher's rank 1 turns jaxddp's handler off before importing jaxddp, so the
+ranks disagree and must all fall back to mpi4jax's. Prints one JSON line per rank.
+"""
+
+import json
+import os
+import sys
+
+from tests.harness.rank import launcher_rank
+
+if sys.argv[1] == "split" and launcher_rank() == "1":
+    os.environ["JAXDDP_NATIVE_ALLREDUCE"] = "0"
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxddp
+from jaxddp import _native
+
+rank, size = jaxddp.rank(), jaxddp.world_size()
+x = jnp.arange(1000, dtype=jnp.float32) + rank
+f = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"))
+hlo = f.lower(x).compile().as_text()
+got = np.asarray(f(x))
+want = sum(np.arange(1000, dtype=np.float32) + r for r in range(size))
+print(
+    json.dumps(
+        {
+            "target": _native.allreduce_target(),
+            "status": _native.status(),
+            "in_hlo": _native.TARGET in hlo,
+            "mpi4jax_in_hlo": "mpi_allreduce_ffi" in hlo,
+            "values_ok": bool(np.array_equal(got, want)),
+        }
+    ),
+    flush=True,
+)

@@ -1,0 +1,99 @@
+"""jaxddp's own allreduce handler (jaxddp/_native): built from an empty cache, the fallback to
+mpi4jax's where it cannot be built, and every rank using the same one.
+
+Its values across ranks are tested by the whole MPI suite, which runs it (tests/mpi/
+test_comm.py checks that it does); its speed is measured in benchmarks/, not here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.harness import launch
+
+SCRIPTS = Path(__file__).with_name("scripts")
+
+# One process, world of 1 (where an allreduce is the identity, no custom call): the handler
+# chosen and why, values, and what the cache holds.
+PROBE = """
+import json, jax, jax.numpy as jnp, numpy as np, jaxddp
+from jaxddp import _native
+jaxddp.rank()  # starts jaxddp's world, which picks the handler
+f = jax.jit(lambda x, n: (jaxddp.allreduce(x, op="sum"), jaxddp.allreduce(n, op="max")))
+x, n = jnp.arange(12.0, dtype=jnp.float32).reshape(3, 4), jnp.arange(5, dtype=jnp.int32)
+a, b = f(x, n)
+empty = jax.jit(lambda e: jaxddp.allreduce(e, op="sum"))(jnp.zeros((0, 3), jnp.float32))
+print(json.dumps({
+    "status": _native.status(), "target": _native.allreduce_target(),
+    "values_ok": bool(np.array_equal(a, x) and np.array_equal(b, n)),
+    "empty_ok": empty.shape == (0, 3),
+    "cached": sorted(p.suffix for p in _native.cache_dir().glob("allreduce-*.so")),
+}))
+"""
+
+
+def _probe(tmp_path, **env):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env}
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # a real build (~5 s of the C++ compiler) and a launch
+def test_it_builds_into_an_empty_cache_and_every_rank_runs_it(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    result = launch([str(SCRIPTS / "native_allreduce.py"), "agree"], 2, timeout=300, env=env)
+    assert result.ok, result.report()
+    rows = [json.loads(log.strip().splitlines()[-1]) for log in result.rank_logs.values()]
+    assert len(rows) == 2, result.report()
+    for row in rows:
+        assert row["target"] == "jaxddp_allreduce", row["status"]
+        assert row["in_hlo"]
+        assert not row["mpi4jax_in_hlo"]
+        assert row["values_ok"]
+    built = sorted(p.name for p in (tmp_path / "cache" / "jaxddp" / "native").iterdir())
+    assert [Path(name).suffix for name in built] == [".lock", ".so"]  # one build, no scratch
+
+
+def test_without_a_compiler_jitted_allreduces_use_mpi4jax_and_doctor_says_why(tmp_path):
+    probe = _probe(tmp_path, CXX=str(tmp_path / "no-such-c++"))
+    assert probe["target"] is None
+    assert "no C++ compiler" in probe["status"]
+    assert "no-such-c++" in probe["status"]
+    assert probe["values_ok"]
+    assert probe["empty_ok"]
+    assert probe["cached"] == []
+
+
+def test_turned_off_it_is_neither_built_nor_used(tmp_path):
+    probe = _probe(tmp_path, JAXDDP_NATIVE_ALLREDUCE="off")
+    assert probe["target"] is None
+    assert "JAXDDP_NATIVE_ALLREDUCE is off" in probe["status"]
+    assert probe["values_ok"]
+    assert probe["cached"] == []
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_all_use_mpi4jax(tmp_path):
+    # A nonblocking allreduce never matches a blocking one: one rank off means all off.
+    result = launch([str(SCRIPTS / "native_allreduce.py"), "split"], 2, timeout=180, quick=True)
+    assert result.ok, result.report()
+    rows = {r: json.loads(log.strip().splitlines()[-1]) for r, log in result.rank_logs.items()}
+    assert rows["1"]["status"].endswith("JAXDDP_NATIVE_ALLREDUCE is off"), result.report()
+    assert "another rank" in rows["0"]["status"], result.report()
+    for row in rows.values():
+        assert row["target"] is None
+        assert not row["in_hlo"]
+        assert row["mpi4jax_in_hlo"]
+        assert row["values_ok"], result.report()
