@@ -30,7 +30,9 @@ TestFn test = nullptr;
 // The wait: poll for kSpinNs (a collective whose ranks are all there ends within it), then
 // nap, from kNapMinNs doubling up to kNapMaxNs, polling for kPollNs after each nap: a wait
 // for a rank still computing costs a few wake-ups (each one preempts the Python thread),
-// and the collective resumes at most kNapMaxNs after the last rank arrives.
+// and the collective resumes at most kNapMaxNs after the last rank arrives. Chosen with
+// benchmarks/bench_nnx_handlers.py; to try others, build with e.g.
+// CXX="c++ -DJAXDDP_NAP_MAX_NS=2000000" (the flags are part of the cache key).
 #ifndef JAXDDP_SPIN_NS
 #define JAXDDP_SPIN_NS 200000
 #endif
