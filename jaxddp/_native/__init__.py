@@ -35,6 +35,7 @@ import os
 import shlex
 import shutil
 import subprocess
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -71,11 +72,9 @@ def _compiler() -> list[str]:
 
 def _build() -> Path:
     """The handler's shared library for this jaxlib and compiler: from the cache, or built."""
-    import jaxlib
-
     include = jax.ffi.include_dir()
     flags = [*_compiler(), "-std=c++17", "-O2", "-shared", "-fPIC", "-isystem", include]
-    identity = [_SOURCE.read_text(), jaxlib.__version__, *flags]
+    identity = [_SOURCE.read_text(), metadata.version("jaxlib"), *flags]
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:16]
     folder = cache_dir()
     library = folder / f"allreduce-{key}.so"
