@@ -96,9 +96,9 @@ def _build() -> Path:
     return library
 
 
-def _mpi_function(MPI: Any, name: str) -> int:
+def _mpi_function(mpi4py_extension: ctypes.CDLL, name: str) -> int:
     # dlsym on the extension's handle searches the libraries it links: the MPI mpi4py uses
-    address = ctypes.cast(getattr(ctypes.CDLL(MPI.__file__), name), ctypes.c_void_p).value
+    address = ctypes.cast(getattr(mpi4py_extension, name), ctypes.c_void_p).value
     if not address:
         msg = f"{name} is not in the MPI library mpi4py loaded"
         raise RuntimeError(msg)
@@ -112,8 +112,9 @@ def _load(MPI: Any) -> str | None:
     try:
         library = ctypes.CDLL(str(_build()))
         library.jaxddp_native_configure.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        mpi = ctypes.CDLL(MPI.__file__)
         library.jaxddp_native_configure(
-            _mpi_function(MPI, "MPI_Iallreduce"), _mpi_function(MPI, "MPI_Test")
+            _mpi_function(mpi, "MPI_Iallreduce"), _mpi_function(mpi, "MPI_Test")
         )
         capsule = jax.ffi.pycapsule(library.jaxddp_allreduce)
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
