@@ -6,15 +6,19 @@
 The handler is chosen when a step is lowered, so this lowers each synced step twice, once
 under each handler (every rank the same), and times five steps interleaved, round after
 round: alone (no sync), the gradients allreduced with each handler, and the 4-byte sync
-point (``bench_nnx_step.sync_point``) with each. Each round is ``--steps`` steps back to back,
-the ranks lined up before it. Printed on rank 0: the median of each step's per-round time
-minus the step alone's in the same round (paired), in ms. A comparison inside one process,
-so that the host's drift (large on shared 2-core machines) falls on both handlers alike.
+point (``bench_nnx_step.sync_point``) with each. Each round is ``--steps`` steps back to
+back per variant, the ranks lined up before each, the variants in a new random order each
+round (in a fixed order, the variant timed right after the step alone may be
+favoured: two variants swapped places and swapped results). Printed on rank 0: the median
+of each step's per-round time minus the step alone's in the same round (paired), in ms. A
+comparison inside one process, so that the host's drift (large on shared 2-core machines)
+falls on both handlers alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 
@@ -65,8 +69,11 @@ def main() -> None:
         steps[name] = (step, model, optimizer)
     _native._agreed = agreed
     times: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(args.rounds):
-        for name, (step, model, optimizer) in steps.items():
+    for round_ in range(args.rounds):
+        order = list(steps)
+        random.Random(round_).shuffle(order)  # the same order on every rank
+        for name in order:
+            step, model, optimizer = steps[name]
             jaxddp.allreduce(np.float32(0))  # line the ranks up
             start = time.perf_counter()
             for _ in range(args.steps):
