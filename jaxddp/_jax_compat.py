@@ -40,6 +40,8 @@ import jax
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import mlir
 
+from ._paths import package_of
+
 __all__ = [
     "MPI4JAX_CPU_BRIDGE",
     "VERIFIED",
@@ -275,10 +277,9 @@ def equation_frames(eqn: Any, limit: int = 3) -> list[str]:
         return []
     out = []
     for frame in frames:
-        name = frame.file_name.replace("\\", "/")
-        if "/jax/" in name or "/jaxlib/" in name or "/jaxddp/" in name:
+        if package_of(frame.file_name, ("jax", "jaxlib", "jaxddp")) is not None:
             continue
-        short = "/".join(name.split("/")[-3:])
+        short = "/".join(frame.file_name.replace("\\", "/").split("/")[-3:])
         out.append(f"{short}:{frame.line_num} ({frame.function_name})")
         if len(out) == limit:
             break

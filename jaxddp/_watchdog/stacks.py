@@ -13,6 +13,8 @@ import os
 import sysconfig
 from typing import Any
 
+from .._paths import package_of
+
 # Frames inside these packages (and the standard library) are folded in a stack, so that the
 # user's own innermost frame shows first.
 _LIBRARIES = frozenset(
@@ -38,11 +40,11 @@ def _library(filename: str) -> str | None:
     """The library a source file belongs to (``"jax"``, ``"stdlib"``), or None: user code."""
     if filename.startswith(("<frozen", "<built-in")):
         return "stdlib"
+    library = package_of(filename, _LIBRARIES)
+    if library is not None:
+        return library
     real = os.path.realpath(filename)
     parts = real.split(os.sep)
-    for part in parts[:-1]:
-        if part in _LIBRARIES:
-            return part
     installed = "site-packages" in parts or "dist-packages" in parts
     return "stdlib" if not installed and real.startswith(_stdlib_dirs()) else None
 
