@@ -2,11 +2,11 @@
 and without it ``import jaxddp.grain`` / ``jaxddp.torch`` names the extra to install."""
 
 import os
-import subprocess
-import sys
 from importlib.metadata import requires
 
 import pytest
+
+from tests.harness import fresh_python
 
 _MISSING = """
 import sys
@@ -28,14 +28,7 @@ def test_the_extra_installs_its_loader(extra):
 
 @pytest.mark.slow
 def test_without_its_loader_the_module_names_the_extra_to_install():
-    done = subprocess.run(
-        [sys.executable, "-c", _MISSING],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    done = fresh_python(["-c", _MISSING], {**os.environ, "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stderr
     for name in ("grain", "torch"):
         line = next(x for x in done.stdout.splitlines() if x.startswith(f"{name}: "))

@@ -9,14 +9,12 @@ on real ranks and checks values, the path and JAX's staging rule.
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 
 from jaxddp import _jax_compat, _primitive
-from tests.harness import launch
+from tests.harness import fresh_python, launch
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).with_name("scripts")
@@ -47,17 +45,10 @@ def test_an_unverified_jax_warns_takes_the_ordered_path_and_leaves_jax_alone():
     assert all("unverified ok" in log for log in result.rank_logs.values()), result.report()
 
 
-def _python(args, env):
-    """A fresh Python of this venv, its output captured."""
-    return subprocess.run(
-        [sys.executable, *args], capture_output=True, text=True, timeout=120, env=env, check=False
-    )
-
-
 def test_mpi4jax_imports_after_jaxddp_without_a_warning_on_a_verified_jax():
     # mpi4jax 0.9.1 warns on jax 0.12 that it knows 0.11.2 at most; jaxddp verified the pair
     env = {k: v for k, v in os.environ.items() if k != "MPI4JAX_NO_WARN_JAX_VERSION"}
-    result = _python(["-W", "error", "-c", "import jaxddp, mpi4jax"], env)
+    result = fresh_python(["-W", "error", "-c", "import jaxddp, mpi4jax"], env)
     assert result.returncode == 0, result.stderr
 
 
@@ -65,7 +56,7 @@ def test_doctor_says_which_collective_path_is_active_and_why():
     code = "from jaxddp._cli import main; raise SystemExit(main(['doctor', '--json']))"
     for forced in ("", "ordered"):
         env = dict(os.environ, **{_primitive.PATH_VARIABLE: forced})
-        result = _python(["-c", code], env)
+        result = fresh_python(["-c", code], env)
         assert result.returncode == 0, result.stderr
         doc = json.loads(result.stdout)
         if forced:

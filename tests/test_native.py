@@ -7,13 +7,11 @@ test_comm.py checks that it does); its speed is measured in benchmarks/, not her
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.harness import launch
+from tests.harness import fresh_python, launch
 
 SCRIPTS = Path(__file__).with_name("scripts")
 
@@ -38,14 +36,7 @@ print(json.dumps({
 
 def _probe(tmp_path, **env):
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), **env}
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        check=False,
-    )
+    out = fresh_python(["-c", PROBE], env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

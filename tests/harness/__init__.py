@@ -39,6 +39,20 @@ QUICK_ENV = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
+def fresh_python(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """A fresh Python of this venv (one process, no launcher), its output captured."""
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        check=False,
+    )
+
+
 def quick_env(env: dict[str, str], *, optimized: bool = False) -> dict[str, str]:
     """``env`` with :data:`QUICK_ENV` and (unless ``optimized``) :data:`QUICK_XLA_FLAGS`
     added (``XLA_FLAGS`` that ``env`` already has are kept, after ours, so a test's own flags
