@@ -12,7 +12,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from . import _jax_compat as compat
-from . import _native
+from . import _mpi, _native
 
 __all__ = ["Handle", "emit", "out_avals"]
 
@@ -21,12 +21,8 @@ class Handle:
     """An MPI object as a primitive parameter: hashable by its C handle, as jit requires."""
 
     def __init__(self, obj: Any) -> None:
-        from mpi4py import MPI
-
         self.obj = obj
-        handle = MPI._handleof(obj)  # pyright: ignore[reportAttributeAccessIssue]
-        # MPICH's handles are 32-bit signed: mpi4py may hand them back sign-extended.
-        self.handle = handle - (1 << 64) if handle >= (1 << 63) else handle
+        self.handle = _mpi.c_handle(obj)
 
     def __hash__(self) -> int:
         return hash(self.handle)

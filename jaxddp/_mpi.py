@@ -14,7 +14,14 @@ import sys
 import threading
 from types import ModuleType
 
-__all__ = ["initialize", "is_initialized", "library_version", "load", "program_initializes"]
+__all__ = [
+    "c_handle",
+    "initialize",
+    "is_initialized",
+    "library_version",
+    "load",
+    "program_initializes",
+]
 
 _lock = threading.Lock()
 _program_initializes: bool | None = None  # decided once, when mpi4py.MPI is first loaded
@@ -88,3 +95,12 @@ def initialize() -> None:
     with _lock:
         if not MPI.Is_initialized():
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
+
+
+def c_handle(obj: object) -> int:
+    """An MPI object's C handle as a signed 64-bit integer, as compiled code receives it."""
+    from mpi4py import MPI
+
+    handle = MPI._handleof(obj)  # pyright: ignore[reportAttributeAccessIssue]
+    # MPICH's handles are 32-bit signed: mpi4py may hand them back sign-extended.
+    return handle - (1 << 64) if handle >= (1 << 63) else handle
