@@ -22,6 +22,7 @@ __all__ = [
     "CHECK_TIMEOUT",
     "NATIVE_ALLREDUCE",
     "SETTINGS",
+    "SHARED_ALLREDUCE",
     "SKIP_LAUNCHER_CHECK",
     "STALL_ABORT",
     "STALL_WARN",
@@ -33,6 +34,7 @@ __all__ = [
     "check_timeout",
     "check_trees",
     "native_allreduce",
+    "shared_allreduce",
     "skip_launcher_check",
     "stall_abort",
     "stall_warn",
@@ -135,6 +137,18 @@ NATIVE_ALLREDUCE = Setting(
     "some rank cannot build or load it, every rank uses mpi4jax's handler; `jaxddp doctor` "
     "says which. Read once, when jaxddp's world starts; every rank must agree, and does.",
 )
+SHARED_ALLREDUCE = Setting(
+    "JAXDDP_SHARED_ALLREDUCE",
+    "a boolean",
+    "on",
+    "Where every rank is on one node (2 to 8 ranks) and jaxddp's handler is in use, jitted "
+    "allreduces of sums, maxima and minima go through memory the ranks share (an MPI "
+    "shared-memory window of 2 MiB per rank, made when jaxddp's world starts) instead of "
+    "through MPI: a rank copies its part in, sleeps until the last rank has copied, and adds "
+    "every rank's part in rank order, so every rank holds the same bits. Ranks that call "
+    "different allreduces at the same point get an error naming both. Read once, when "
+    "jaxddp's world starts; off on one rank is off on all.",
+)
 
 SETTINGS = (
     SKIP_LAUNCHER_CHECK,
@@ -145,6 +159,7 @@ SETTINGS = (
     STALL_ABORT,
     STARTUP_TIMEOUT,
     NATIVE_ALLREDUCE,
+    SHARED_ALLREDUCE,
 )
 
 
@@ -203,6 +218,11 @@ def check_trees(env: Mapping[str, str] | None = None) -> bool:
 def native_allreduce(env: Mapping[str, str] | None = None) -> bool:
     """``JAXDDP_NATIVE_ALLREDUCE``: whether jitted allreduces may use jaxddp's own handler."""
     return _boolean(NATIVE_ALLREDUCE, _raw(NATIVE_ALLREDUCE, env), default=True)
+
+
+def shared_allreduce(env: Mapping[str, str] | None = None) -> bool:
+    """``JAXDDP_SHARED_ALLREDUCE``: whether ranks on one node may reduce in shared memory."""
+    return _boolean(SHARED_ALLREDUCE, _raw(SHARED_ALLREDUCE, env), default=True)
 
 
 def abort_on_error(env: Mapping[str, str] | None = None) -> bool:

@@ -111,6 +111,7 @@ class World:
         self.py_comm = world.Clone()
         self.jax_comm = world.Clone()
         _native.agree(MPI, world)  # the handler of jitted allreduces, the same on every rank
+        _native.share(MPI, self.jax_comm, one_node=self.local_size == self.size)
 
 
 def init() -> World:

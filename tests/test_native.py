@@ -53,6 +53,7 @@ def test_it_builds_into_an_empty_cache_and_every_rank_runs_it(tmp_path):
         assert row["in_hlo"]
         assert not row["mpi4jax_in_hlo"]
         assert row["values_ok"]
+        assert row["shared_calls"] == [1, 1]  # both ranks on this node: in shared memory
     built = sorted(p.name for p in (tmp_path / "cache" / "jaxddp" / "native").iterdir())
     assert [Path(name).suffix for name in built] == [".lock", ".so"]  # one build, no scratch
 
@@ -87,4 +88,21 @@ def test_ranks_that_disagree_all_use_mpi4jax(tmp_path):
         assert row["target"] is None
         assert not row["in_hlo"]
         assert row["mpi4jax_in_hlo"]
+        assert row["values_ok"], result.report()
+
+
+@pytest.mark.slow
+def test_ranks_that_disagree_on_shared_memory_all_reduce_through_mpi():
+    # One rank with JAXDDP_SHARED_ALLREDUCE off: off on every rank, or the others would wait
+    # in shared memory for a rank that sends through MPI.
+    result = launch(
+        [str(SCRIPTS / "native_allreduce.py"), "split-shared"], 2, timeout=180, quick=True
+    )
+    assert result.ok, result.report()
+    rows = [json.loads(log.strip().splitlines()[-1]) for log in result.rank_logs.values()]
+    assert len(rows) == 2, result.report()
+    for row in rows:
+        assert row["target"] == "jaxddp_allreduce", row["status"]
+        assert row["shared_calls"] is None
+        assert "share" not in row["status"]
         assert row["values_ok"], result.report()

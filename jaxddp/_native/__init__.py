@@ -11,6 +11,17 @@ collective is young, then naps (``nanosleep``, growing), so the core goes to Pyt
 the other ranks are away and comes back to the collective when a nap ends (a thread that
 slept runs ahead of one that has been running).
 
+Where every rank is on this node (2 to :data:`MAX_SHARED_RANKS` of them; :func:`share`,
+collective, when jaxddp's world starts), sums, maxima and minima skip MPI: each rank copies
+its part into its own slot of an MPI shared-memory window, sleeps on a futex until the last
+rank has copied (which wakes it: one wake-up, none while the other ranks are away), and
+reduces every rank's slot in rank order, so every rank holds the same bits. A message larger
+than a slot goes through in turns; ranks whose calls differ at the same point (count, dtype
+or op) get an error naming both calls instead of a wrong sum. The wait has no timeout, as a
+blocking collective has none: a rank that never comes is the stall inspector's to report.
+Whether a call goes this way depends only on its attributes (communicator, op, datatype),
+so every rank decides the same; other ops and datatypes go through MPI as above.
+
 How: compiled with the C++ compiler (``$CXX``, else ``c++``) against the FFI headers of the
 jaxlib in use (``jax.ffi.include_dir()``), into ``$XDG_CACHE_HOME/jaxddp/native`` (else
 ``~/.cache/...``), once per source, jaxlib and compiler; a lock file makes the ranks of a
@@ -41,9 +52,9 @@ from typing import Any
 
 import jax
 
-from .. import _settings
+from .. import _mpi, _settings
 
-__all__ = ["TARGET", "agree", "allreduce_target", "status"]
+__all__ = ["TARGET", "agree", "allreduce_target", "share", "shared_calls", "status"]
 
 TARGET = "jaxddp_allreduce"
 _SOURCE = Path(__file__).with_name("allreduce.cc")
@@ -54,6 +65,7 @@ _OURS = (
 
 # What every rank agreed on (agree): the FFI target, or None for mpi4jax's; and why.
 _agreed: tuple[str | None, str] | None = None
+_library: ctypes.CDLL | None = None  # the loaded handler
 
 
 def cache_dir() -> Path:
@@ -73,7 +85,7 @@ def _compiler() -> list[str]:
 def _build() -> Path:
     """The handler's shared library for this jaxlib and compiler: from the cache, or built."""
     include = jax.ffi.include_dir()
-    flags = [*_compiler(), "-std=c++17", "-O2", "-shared", "-fPIC", "-isystem", include]
+    flags = [*_compiler(), "-std=c++17", "-O3", "-shared", "-fPIC", "-isystem", include]
     identity = [_SOURCE.read_text(), metadata.version("jaxlib"), *flags]
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:16]
     folder = cache_dir()
@@ -109,6 +121,7 @@ def _load(MPI: Any) -> str | None:
     """Builds (or finds), loads and registers the handler here; None, or why not."""
     if not _settings.native_allreduce():
         return f"{_settings.NATIVE_ALLREDUCE.name} is off"
+    global _library
     try:
         library = ctypes.CDLL(str(_build()))
         library.jaxddp_native_configure.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -118,6 +131,15 @@ def _load(MPI: Any) -> str | None:
         )
         capsule = jax.ffi.pycapsule(library.jaxddp_allreduce)
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+        library.jaxddp_native_share.argtypes = [
+            ctypes.c_void_p,
+            *[ctypes.c_int64] * 4,
+            *[ctypes.POINTER(ctypes.c_int64)] * 3,
+            ctypes.c_int64,
+            ctypes.POINTER(ctypes.c_int64),
+        ]
+        library.jaxddp_native_share_on.argtypes = [ctypes.c_int64]
+        _library = library
     except (AttributeError, OSError, RuntimeError, subprocess.SubprocessError) as error:
         return f"it could not be built or loaded here: {error}"
     return None
@@ -146,4 +168,92 @@ def allreduce_target() -> str | None:
 
 def status() -> str:
     """Which handler jitted allreduces use, and why."""
-    return _agreed[1] if _agreed is not None else "not chosen yet (jaxddp's world not started)"
+    if _agreed is None:
+        return "not chosen yet (jaxddp's world not started)"
+    if _shared is not None:
+        return (
+            f"{_agreed[1]}; the {_shared[2]} ranks, all on this node, reduce sums, maxima and "
+            "minima in memory they share, without MPI"
+        )
+    return _agreed[1]
+
+
+# The shared-memory allreduce (share): the largest world it serves, a slot's size, and the
+# datatypes it takes (mpi4py's name, the handler's kind, how many of that kind an element
+# holds): every dtype jaxddp sends as it is but bool, which jaxddp widens first.
+MAX_SHARED_RANKS = 8
+SLOT_BYTES = 1 << 20
+_KINDS = {
+    "FLOAT": (0, 1), "DOUBLE": (1, 1), "COMPLEX": (0, 2), "DOUBLE_COMPLEX": (1, 2),
+    "INT8_T": (2, 1), "INT16_T": (3, 1), "INT32_T": (4, 1), "INT64_T": (5, 1),
+    "UINT8_T": (6, 1), "UINT16_T": (7, 1), "UINT32_T": (8, 1), "UINT64_T": (9, 1),
+}  # fmt: skip
+# The MPI window of that memory, its address, and the communicator's size; kept until the
+# process ends.
+_shared: tuple[Any, int, int] | None = None
+
+
+def share(MPI: Any, comm: Any, one_node: bool) -> None:
+    """Collective over ``comm``: where jaxddp's handler is in use and the ranks of ``comm``
+    are all on this node (``one_node``, the same on every rank), 2 to
+    :data:`MAX_SHARED_RANKS` of them, gives the handler memory they share (an MPI
+    shared-memory window: two :data:`SLOT_BYTES` slots per rank and a header) and turns its
+    shared-memory allreduce on for ``comm``. Where some rank cannot allocate the window, no
+    rank uses it, nor where some rank turned it off (``JAXDDP_SHARED_ALLREDUCE``)."""
+    global _shared
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if _library is None or allreduce_target() is None or not one_node:
+        return
+    if not 1 < size <= MAX_SHARED_RANKS:
+        return
+    # the setting may differ between ranks: off on one means off on all
+    if not comm.allreduce(_settings.shared_allreduce(), op=MPI.LAND):
+        return
+    header = 64 + 64 * size
+    header += -header % 4096
+    nbytes = header + 2 * size * SLOT_BYTES
+    try:
+        window = MPI.Win.Allocate_shared(nbytes if rank == 0 else 0, 1, comm=comm)
+        memory, _ = window.Shared_query(0)
+        if rank == 0:
+            ctypes.memset(memory.address, 0, header)
+    except MPI.Exception:
+        window = None
+    # Every rank or none (a rank alone would wait for ever), and zeroed before any counts.
+    if not comm.allreduce(window is not None, op=MPI.LAND):
+        if window is not None:
+            window.Free()
+        return
+    names = list(_KINDS)
+    int64s = ctypes.c_int64 * len(names)
+    _library.jaxddp_native_share(
+        memory.address,
+        _mpi.c_handle(comm),
+        size,
+        rank,
+        SLOT_BYTES,
+        int64s(*[_mpi.c_handle(getattr(MPI, name)) for name in names]),
+        int64s(*[_KINDS[name][0] for name in names]),
+        int64s(*[_KINDS[name][1] for name in names]),
+        len(names),
+        (ctypes.c_int64 * 3)(*[_mpi.c_handle(op) for op in (MPI.SUM, MPI.MAX, MPI.MIN)]),
+    )
+    _library.jaxddp_native_share_on(1)
+    _shared = (window, memory.address, size)
+
+
+def _share_on(on: bool) -> None:
+    """Turns the shared-memory allreduce off and on again (benchmarks compare it with MPI's).
+    Every rank must do it at the same point, with no allreduce in flight."""
+    if _library is not None and _shared is not None:
+        _library.jaxddp_native_share_on(int(on))
+
+
+def shared_calls() -> list[int] | None:
+    """How many slots' worth of allreduce each rank of this node has put through the shared
+    memory (modulo 2**32; an allreduce larger than a slot counts once per slot); None where
+    there is none."""
+    if _shared is None:
+        return None
+    _, address, size = _shared
+    return [ctypes.c_uint32.from_address(address + 64 + 64 * r).value for r in range(size)]

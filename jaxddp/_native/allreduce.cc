@@ -1,19 +1,30 @@
-// jaxddp's XLA FFI handler for the jitted allreduce: MPI_Iallreduce, then a wait that spins
-// while the collective is young and then sleeps in short, growing naps, so that a rank whose
-// core is shared with the Python thread gives that core back instead of yielding it for a
-// whole time slice per protocol step (what MPICH's blocking wait does under
-// MPI_THREAD_MULTIPLE: sched_yield between polls).
+// jaxddp's XLA FFI handler for the jitted allreduce. Where every rank of the communicator is
+// on this node (jaxddp_native_share), an allreduce of a sum, max or min goes through memory
+// the ranks share, without MPI: each rank copies its part into its own slot, waits (asleep
+// on a futex, woken by the last rank to arrive) until every rank has copied, and reduces
+// every rank's slot in rank order, so every rank holds the same bits. Elsewhere it posts
+// MPI_Iallreduce, then waits in a way that spins while the collective is young and then
+// sleeps in short, growing naps, so that a rank whose core is shared with the Python thread
+// gives that core back instead of yielding it for a whole time slice per protocol step
+// (what MPICH's blocking wait does under MPI_THREAD_MULTIPLE: sched_yield between polls).
 //
 // No MPI header: the two MPI entry points come from the library mpi4py loaded (set once by
 // jaxddp_native_configure), and MPI handles travel as integers wide enough for both ABIs
 // (MPICH's int handles, Open MPI's pointers). jaxddp/_native/__init__.py builds and loads it.
 
+#include <linux/futex.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <climits>
 #include <cstdint>
+#include <cstring>
 #include <ctime>
+#include <mutex>
 #include <string>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -91,6 +102,188 @@ ffi::Error wait(intptr_t* request) {
   return result;
 }
 
+// The shared-memory allreduce. The memory: a 64-byte line holding the bell (a futex word
+// every arrival bumps) and the count of ranks asleep on it, then a 64-byte Record per rank,
+// then per rank two slots of slot_bytes. Call (or chunk) k of a rank uses its slot k % 2: it
+// writes that slot again at call k + 2, which it reaches only when every rank has arrived
+// at k + 1, i.e. has finished reading the slots of k.
+enum Kind : int32_t { kF32, kF64, kI8, kI16, kI32, kI64, kU8, kU16, kU32, kU64, kKinds };
+enum Op : int32_t { kSum, kMax, kMin, kOps };
+constexpr const char* kKindNames[kKinds] = {"float32", "float64", "int8",   "int16",  "int32",
+                                            "int64",   "uint8",   "uint16", "uint32", "uint64"};
+constexpr const char* kOpNames[kOps] = {"sum", "max", "min"};
+constexpr int kMaxTypes = 16;
+
+struct What {  // a call, as every rank must make it
+  int32_t kind, op;
+  int64_t nitems, first;
+  bool operator!=(const What& o) const {
+    return kind != o.kind || op != o.op || nitems != o.nitems || first != o.first;
+  }
+};
+
+struct alignas(64) Record {  // one per rank, a cache line each
+  std::atomic<uint32_t> arrival;  // the chunks this rank has copied its part of
+  uint32_t unused;
+  What what[2];  // per slot: the call it holds
+};
+static_assert(sizeof(Record) == 64, "a record is a cache line");
+
+struct Shared {
+  std::atomic<uint32_t>* bell = nullptr;
+  std::atomic<uint32_t>* sleepers = nullptr;
+  Record* records = nullptr;
+  char* data = nullptr;
+  int64_t slot_bytes = 0;
+  intptr_t comm = 0;
+  uint32_t ranks = 0, rank = 0;
+  uint32_t arrivals = 0;  // this rank's, under `lock`
+  std::mutex lock;  // one allreduce at a time per process, as MPI requires per communicator
+  intptr_t types[kMaxTypes] = {};  // an MPI datatype handle, its Kind, and how many of
+  int32_t kinds[kMaxTypes] = {};   // that kind one element holds (2 for a complex number)
+  int32_t factors[kMaxTypes] = {};
+  int ntypes = 0;
+  intptr_t ops[kOps] = {};
+  std::atomic<bool> on{false};
+};
+Shared shared;
+
+#ifndef JAXDDP_SHARED_SPIN_NS
+#define JAXDDP_SHARED_SPIN_NS 50000
+#endif
+constexpr int64_t kSharedSpinNs = JAXDDP_SHARED_SPIN_NS;  // a wait spins this long, then sleeps
+
+long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* timeout) {
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), op, value, timeout, nullptr, 0);
+}
+
+bool all_arrived(uint32_t arrival) {
+  for (uint32_t r = 0; r < shared.ranks; ++r) {
+    const uint32_t seen = shared.records[r].arrival.load(std::memory_order_acquire);
+    if (static_cast<int32_t>(seen - arrival) < 0) return false;
+  }
+  return true;
+}
+
+void publish(uint32_t arrival) {
+  shared.records[shared.rank].arrival.store(arrival, std::memory_order_seq_cst);
+  shared.bell->fetch_add(1, std::memory_order_seq_cst);
+  // A rank about to sleep counts itself first and looks again, so one that this load
+  // misses sees the arrival above (or the bell moved, and its futex wait returns at once).
+  if (shared.sleepers->load(std::memory_order_seq_cst) != 0) {
+    futex(shared.bell, FUTEX_WAKE, INT_MAX, nullptr);
+  }
+}
+
+// Waits until every rank has arrived at `arrival`, for as long as it takes (as a blocking
+// MPI collective does): a rank that never comes is the stall inspector's to report. Asleep,
+// it wakes only when a rank arrives (no timeout): the inspector counts a main thread's
+// wakes as progress (jaxddp/_watchdog/sleeps.py), and XLA may run a step on the main thread.
+void await_all(uint32_t arrival) {
+  const int64_t start = now_ns();
+  while (true) {
+    const uint32_t bell = shared.bell->load(std::memory_order_seq_cst);
+    if (all_arrived(arrival)) return;
+    if (now_ns() - start < kSharedSpinNs) continue;
+    shared.sleepers->fetch_add(1, std::memory_order_seq_cst);
+    if (!all_arrived(arrival)) futex(shared.bell, FUTEX_WAIT, bell, nullptr);
+    shared.sleepers->fetch_sub(1, std::memory_order_seq_cst);
+  }
+}
+
+template <typename T>
+void combine(T* __restrict out, const T* __restrict in, int64_t n, int32_t op) {
+  if (op == kSum) {
+    if constexpr (std::is_integral_v<T>) {  // wraps around, as MPI's does
+      using U = std::make_unsigned_t<T>;
+      for (int64_t i = 0; i < n; ++i) out[i] = static_cast<T>(U(out[i]) + U(in[i]));
+    } else {
+      for (int64_t i = 0; i < n; ++i) out[i] += in[i];
+    }
+  } else if (op == kMax) {  // a NaN on any rank is the result, as jnp.maximum has it
+    for (int64_t i = 0; i < n; ++i) out[i] = in[i] > out[i] || in[i] != in[i] ? in[i] : out[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = in[i] < out[i] || in[i] != in[i] ? in[i] : out[i];
+  }
+}
+
+void combine(int32_t kind, int32_t op, char* out, const char* in, int64_t n) {
+  switch (kind) {
+    case kF32: return combine(reinterpret_cast<float*>(out), reinterpret_cast<const float*>(in), n, op);
+    case kF64: return combine(reinterpret_cast<double*>(out), reinterpret_cast<const double*>(in), n, op);
+    case kI8: return combine(reinterpret_cast<int8_t*>(out), reinterpret_cast<const int8_t*>(in), n, op);
+    case kI16: return combine(reinterpret_cast<int16_t*>(out), reinterpret_cast<const int16_t*>(in), n, op);
+    case kI32: return combine(reinterpret_cast<int32_t*>(out), reinterpret_cast<const int32_t*>(in), n, op);
+    case kI64: return combine(reinterpret_cast<int64_t*>(out), reinterpret_cast<const int64_t*>(in), n, op);
+    case kU8: return combine(reinterpret_cast<uint8_t*>(out), reinterpret_cast<const uint8_t*>(in), n, op);
+    case kU16: return combine(reinterpret_cast<uint16_t*>(out), reinterpret_cast<const uint16_t*>(in), n, op);
+    case kU32: return combine(reinterpret_cast<uint32_t*>(out), reinterpret_cast<const uint32_t*>(in), n, op);
+    case kU64: return combine(reinterpret_cast<uint64_t*>(out), reinterpret_cast<const uint64_t*>(in), n, op);
+    default: return;
+  }
+}
+
+constexpr int64_t kWidths[kKinds] = {4, 8, 1, 2, 4, 8, 1, 2, 4, 8};
+
+std::string describe(const What& w) {
+  std::string out = std::to_string(w.nitems) + " " + kKindNames[w.kind] + " (" + kOpNames[w.op];
+  if (w.first != 0) out += ", the part from element " + std::to_string(w.first);
+  return out + ")";
+}
+
+// The call as the shared-memory allreduce takes it (kind, op, items of that kind), or false
+// where it does not (another communicator, an op or datatype it lacks): then MPI's. Decided
+// from the call's attributes alone, so every rank decides the same.
+bool eligible(intptr_t comm, intptr_t op, intptr_t dtype, int64_t nitems, What* what) {
+  if (!shared.on.load(std::memory_order_acquire) || comm != shared.comm) return false;
+  int32_t o = 0;
+  while (o < kOps && shared.ops[o] != op) ++o;
+  if (o == kOps) return false;
+  for (int t = 0; t < shared.ntypes; ++t) {
+    if (shared.types[t] != dtype) continue;
+    if (shared.factors[t] != 1 && o != kSum) return false;  // complex: a sum only
+    *what = What{shared.kinds[t], o, nitems * shared.factors[t], 0};
+    return true;
+  }
+  return false;
+}
+
+ffi::Error shared_allreduce(const char* in, char* out, What what) {
+  std::lock_guard<std::mutex> hold(shared.lock);
+  const int64_t width = kWidths[what.kind];
+  const int64_t per_slot = shared.slot_bytes / width;
+  for (int64_t first = 0; first < what.nitems; first += per_slot) {
+    const int64_t count = what.nitems - first < per_slot ? what.nitems - first : per_slot;
+    const uint32_t arrival = ++shared.arrivals;
+    const int parity = arrival & 1;
+    auto slot = [&](uint32_t r) {
+      return shared.data + (int64_t{r} * 2 + parity) * shared.slot_bytes;
+    };
+    Record& mine = shared.records[shared.rank];
+    what.first = first;
+    mine.what[parity] = what;
+    std::memcpy(slot(shared.rank), in + first * width, count * width);
+    publish(arrival);
+    await_all(arrival);
+    for (uint32_t r = 0; r < shared.ranks; ++r) {
+      const What& theirs = shared.records[r].what[parity];
+      if (theirs != what) {
+        return ffi::Error(
+            ffi::ErrorCode::kFailedPrecondition,
+            "jaxddp: the ranks called different allreduces at the same point: rank " +
+                std::to_string(shared.rank) + " reduces " + describe(what) + ", rank " +
+                std::to_string(r) + " reduces " + describe(theirs) +
+                ". Every rank must run the same collectives, with the same shapes and dtypes, "
+                "in the same order");
+      }
+    }
+    char* to = out + first * width;
+    std::memcpy(to, slot(0), count * width);
+    for (uint32_t r = 1; r < shared.ranks; ++r) combine(what.kind, what.op, to, slot(r), count);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error allreduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::Token>, int64_t comm, int64_t op, int64_t dtype,
                      int64_t nitems) {
@@ -99,6 +292,12 @@ ffi::Error allreduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y
                       "jaxddp's native allreduce was called before jaxddp configured it");
   }
   if (nitems == 0) return ffi::Error::Success();
+  What what;
+  if (eligible(static_cast<intptr_t>(comm), static_cast<intptr_t>(op),
+               static_cast<intptr_t>(dtype), nitems, &what)) {
+    return shared_allreduce(static_cast<const char*>(x.untyped_data()),
+                            static_cast<char*>(y->untyped_data()), what);
+  }
   const size_t width = x.size_bytes() / x.element_count();
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
@@ -133,4 +332,37 @@ extern "C" __attribute__((visibility("default"))) void jaxddp_native_configure(
     void* iallreduce_fn, void* test_fn) {
   iallreduce = reinterpret_cast<IallreduceFn>(iallreduce_fn);
   test = reinterpret_cast<TestFn>(test_fn);
+}
+
+// The shared-memory allreduce's memory (laid out as above, all zero at first), the
+// communicator it serves, its size and this rank, the size of a slot, and the datatypes
+// and ops it takes: `types[i]` is an MPI datatype of Kind `kinds[i]` (`factors[i]` of them
+// an element), `ops` MPI's sum, max and min. It starts off (jaxddp_native_share_on).
+extern "C" __attribute__((visibility("default"))) void jaxddp_native_share(
+    void* memory, int64_t comm, int64_t ranks, int64_t rank, int64_t slot_bytes,
+    const int64_t* types, const int64_t* kinds, const int64_t* factors, int64_t ntypes,
+    const int64_t* ops) {
+  auto* base = static_cast<char*>(memory);
+  shared.bell = reinterpret_cast<std::atomic<uint32_t>*>(base);
+  shared.sleepers = reinterpret_cast<std::atomic<uint32_t>*>(base + 4);
+  shared.records = reinterpret_cast<Record*>(base + 64);
+  const int64_t header = 64 + 64 * ranks;
+  shared.data = base + header + (-header & 4095);
+  shared.slot_bytes = slot_bytes;
+  shared.comm = static_cast<intptr_t>(comm);
+  shared.ranks = static_cast<uint32_t>(ranks);
+  shared.rank = static_cast<uint32_t>(rank);
+  shared.arrivals = shared.records[rank].arrival.load();
+  shared.ntypes = ntypes < kMaxTypes ? static_cast<int>(ntypes) : kMaxTypes;
+  for (int t = 0; t < shared.ntypes; ++t) {
+    shared.types[t] = static_cast<intptr_t>(types[t]);
+    shared.kinds[t] = static_cast<int32_t>(kinds[t]);
+    shared.factors[t] = static_cast<int32_t>(factors[t]);
+  }
+  for (int o = 0; o < kOps; ++o) shared.ops[o] = static_cast<intptr_t>(ops[o]);
+}
+
+// Every rank must turn it on or off at the same point, with no allreduce in flight.
+extern "C" __attribute__((visibility("default"))) void jaxddp_native_share_on(int64_t on) {
+  shared.on.store(on != 0 && shared.bell != nullptr, std::memory_order_release);
 }

@@ -134,3 +134,110 @@ def test_broadcast_and_reduce_keep_the_kind_of_each_leaf(jit):
     total = run(lambda t: jaxddp.reduce(t, "sum", root=0))({"w": tree["w"]})
     expected = np.arange(3.0) * size + sum(range(size)) if rank == 0 else np.arange(3.0) + rank
     np.testing.assert_array_equal(total["w"], expected)
+
+
+# The shared-memory allreduce (jaxddp/_native): every dtype and op jaxddp's allreduce sends.
+_WIRE = [("float32", op) for op in ("sum", "max", "min")] + [("complex64", "sum")]
+_WIRE += [
+    (f"{s}int{b}", op) for s in ("", "u") for b in (8, 16, 32) for op in ("sum", "max", "min")
+]
+_WIRE_64 = [("float64", "sum"), ("float64", "max"), ("complex128", "sum"), ("int64", "sum")]
+_WIRE_64 += [("uint64", "min"), ("int64", "max")]
+
+
+def _part(r, dtype, n):
+    """Rank r's input: integers over the dtype's whole range (sums wrap), or normals."""
+    rng = np.random.default_rng([r, n, len(dtype)])
+    if np.dtype(dtype).kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max, n, dtype=dtype, endpoint=True)
+    values = rng.standard_normal(n)
+    if np.dtype(dtype).kind == "c":
+        values = values + 1j * rng.standard_normal(n)
+    return values.astype(dtype)
+
+
+def _in_rank_order(dtype, op, n):
+    """Every rank's input reduced by NumPy, rank 0's first (integer sums wrap, as MPI's)."""
+    reduce = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op]
+    out = _part(0, dtype, n)
+    with np.errstate(over="ignore"):
+        for r in range(1, size):
+            out = reduce(out, _part(r, dtype, n))
+    return out
+
+
+def _through_shared_memory(wire, n=37):
+    from jaxddp import _native
+
+    for dtype, op in wire:
+        x = jnp.asarray(_part(rank, dtype, n))
+        before = _native.shared_calls()
+        got = jax.jit(lambda x, op=op: jaxddp.allreduce(x, op=op))(x).block_until_ready()
+        # this rank's count is exact; another rank may already be one call further
+        assert _native.shared_calls()[rank] == before[rank] + 1, (dtype, op)
+        # the same bits as NumPy's reduction in rank order, on every rank
+        np.testing.assert_array_equal(got, _in_rank_order(dtype, op, n), err_msg=f"{dtype} {op}")
+        assert got.dtype == np.dtype(dtype)
+        _native._share_on(False)  # MPI's, for comparison
+        try:
+            mpi = jax.jit(lambda x, op=op: jaxddp.allreduce(x, op=op))(x).block_until_ready()
+        finally:
+            _native._share_on(True)
+        assert _native.shared_calls()[rank] == before[rank] + 1
+        np.testing.assert_allclose(
+            mpi, got, rtol=1e-6, atol=1e-6, err_msg=f"{dtype} {op} through MPI"
+        )
+
+
+def test_on_one_node_jitted_allreduces_reduce_in_shared_memory():
+    from jaxddp import _native
+
+    assert "in memory they share" in _native.status()
+    _through_shared_memory(_WIRE)
+    jax.config.update("jax_enable_x64", True)
+    try:
+        _through_shared_memory(_WIRE_64)
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_a_nan_on_any_rank_is_the_max_and_the_min_on_every_rank(op):
+    # as jnp.maximum and jnp.minimum have it, whichever rank holds it (MPI's own max keeps
+    # the first rank's value where a later rank has the NaN, or the other way round)
+    x = np.zeros(size + 1, np.float32) + rank
+    x[rank] = np.nan
+    got = jax.jit(lambda x: jaxddp.allreduce(x, op=op))(x)
+    want = np.full(size + 1, size - 1 if op == "max" else 0, np.float32)
+    want[:size] = np.nan
+    np.testing.assert_array_equal(got, want)
+
+
+def test_an_allreduce_larger_than_the_shared_slots_goes_through_them_in_turn():
+    from jaxddp import _native
+
+    n = 3 * _native.SLOT_BYTES // 4 + 5  # float32: three slots and 20 bytes
+    before = _native.shared_calls()
+    got = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"))(_part(rank, "float32", n))
+    got.block_until_ready()  # dispatch may return before the call has run
+    assert _native.shared_calls()[rank] == before[rank] + 4
+    np.testing.assert_array_equal(got, _in_rank_order("float32", "sum", n))
+
+
+def test_ranks_that_call_different_allreduces_get_an_error_naming_both():
+    # jaxddp's signature check would catch this first; without it (check=False), the
+    # shared-memory allreduce compares the calls itself instead of adding 3 numbers to 4.
+    from jaxddp._comm import reduce_all
+
+    n = 3 if rank == 0 else 4
+    f = jax.jit(lambda x: reduce_all(x, "sum", check=False))
+    with pytest.raises(Exception, match="called different allreduces") as error:
+        f(jnp.ones(n, jnp.float32)).block_until_ready()
+    other = 1 if rank == 0 else 0
+    assert f"rank {rank} reduces {n} float32 (sum)" in str(error.value)
+    assert f"rank {other} reduces {3 if other == 0 else 4} float32 (sum)" in str(error.value)
+    # and the ranks go on in step
+    np.testing.assert_array_equal(
+        jax.jit(lambda x: jaxddp.allreduce(x, "sum"))(jnp.ones(2)), [size] * 2
+    )

@@ -1,7 +1,9 @@
 """Run on ranks: which allreduce handler the ranks agreed on, and its values.
 
 ``split``: the launcher's rank 1 turns jaxddp's handler off before importing jaxddp, so the
-ranks disagree and must all fall back to mpi4jax's. Prints one JSON line per rank.
+ranks disagree and must all fall back to mpi4jax's. ``split-shared``: rank 1 turns the
+shared-memory allreduce off, so every rank must reduce through MPI (one rank alone in shared
+memory would wait for ever). Prints one JSON line per rank.
 """
 
 import json
@@ -12,6 +14,8 @@ from tests.harness.rank import launcher_rank
 
 if sys.argv[1] == "split" and launcher_rank() == "1":
     os.environ["JAXDDP_NATIVE_ALLREDUCE"] = "0"
+if sys.argv[1] == "split-shared" and launcher_rank() == "1":
+    os.environ["JAXDDP_SHARED_ALLREDUCE"] = "0"
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +38,7 @@ print(
             "in_hlo": _native.TARGET in hlo,
             "mpi4jax_in_hlo": "mpi_allreduce_ffi" in hlo,
             "values_ok": bool(np.array_equal(got, want)),
+            "shared_calls": _native.shared_calls(),
         }
     ),
     flush=True,
