@@ -4,9 +4,11 @@
     mpiexec -bind-to core -n 2 python benchmarks/bench_nnx_handlers.py [--rounds 30] [--steps 20]
 
 The handler is chosen when a step is lowered, so this lowers each synced step twice, once
-under each handler (every rank the same), and times five steps interleaved, round after
-round: alone (no sync), the gradients allreduced with each handler, and the 4-byte sync
-point (``bench_nnx_step.sync_point``) with each. Each round is ``--steps`` steps back to
+under each handler (every rank the same); jaxddp's runs its allreduces through the ranks'
+shared memory where they are all on one node, or through MPI (switched between rounds, on
+every rank alike). So it times seven steps interleaved, round after round: alone (no sync),
+the gradients allreduced in each of the three ways, and the 4-byte sync point
+(``bench_nnx_step.sync_point``) in each. Each round is ``--steps`` steps back to
 back per variant, the ranks lined up before each, the variants in a new random order each
 round (in a fixed order, the variant timed right after the step alone may be
 favoured: two variants swapped places and swapped results). Printed on rank 0: the median
@@ -51,15 +53,19 @@ def main() -> None:
     def floor() -> optax.GradientTransformation:
         return optax.chain(sync_point(), optax.adam(1e-3))
 
-    variants = [
-        ("alone", optax.adam(1e-3), True),
-        ("ours", grads(), True),
-        ("mpi4jax", grads(), False),
-        ("sync point, ours", floor(), True),
-        ("sync point, mpi4jax", floor(), False),
-    ]
+    shared = _native.shared_calls() is not None
+    # (name, optimizer, handler): jaxddp's through shared memory, jaxddp's through MPI, or
+    # mpi4jax's
+    ways = (["ours, shared memory"] if shared else []) + ["ours, MPI", "mpi4jax"]
+    variants = [("alone", optax.adam(1e-3), "ours, MPI")]
+    variants += [(way, grads(), way) for way in ways]
+    variants += [(f"sync point, {way}", floor(), way) for way in ways]
     steps = {}
-    for name, tx, ours in variants:
+    handler = {}
+    for name, tx, way in variants:
+        handler[name] = way
+        _native._share_on(way == "ours, shared memory")
+        ours = way != "mpi4jax"
         _native._agreed = agreed if ours else (None, "mpi4jax's (this benchmark)")
         model = ResidualMLP(24, 64, nnx.Rngs(0))
         optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -74,18 +80,20 @@ def main() -> None:
         random.Random(round_).shuffle(order)  # the same order on every rank
         for name in order:
             step, model, optimizer = steps[name]
+            _native._share_on(handler[name] == "ours, shared memory")
             jaxddp.allreduce(np.float32(0))  # line the ranks up
             start = time.perf_counter()
             for _ in range(args.steps):
                 out = step(model, optimizer, x, y)
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - start) / args.steps)
+    _native._share_on(shared)
     if rank == 0:
         alone = times["alone"]
         print(f"step alone: {statistics.median(alone) * 1e3:.2f} ms (median of rounds)")
         for name in list(steps)[1:]:
             paired = statistics.median(a - b for a, b in zip(times[name], alone, strict=True))
-            print(f"{name:>20}: adds {paired * 1e3:.3f} ms (paired median)", flush=True)
+            print(f"{name:>32}: adds {paired * 1e3:.3f} ms (paired median)", flush=True)
 
 
 if __name__ == "__main__":
