@@ -6,7 +6,8 @@
 The handler is chosen when a step is lowered, so this lowers each synced step twice, once
 under each handler (every rank the same); jaxddp's runs its allreduces through the ranks'
 shared memory where they are all on one node, or through MPI (switched between rounds, on
-every rank alike). So it times seven steps interleaved, round after round: alone (no sync),
+every rank alike). So it times seven steps interleaved (five where the ranks span nodes),
+round after round: alone (no sync),
 the gradients allreduced in each of the three ways, and the 4-byte sync point
 (``bench_nnx_step.sync_point``) in each. Each round is ``--steps`` steps back to
 back per variant, the ranks lined up before each, the variants in a new random order each

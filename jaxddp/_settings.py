@@ -145,9 +145,10 @@ SHARED_ALLREDUCE = Setting(
     "allreduces of sums, maxima and minima go through memory the ranks share (an MPI "
     "shared-memory window of 2 MiB per rank, made when jaxddp's world starts) instead of "
     "through MPI: a rank copies its part in, sleeps until the last rank has copied, and adds "
-    "every rank's part in rank order, so every rank holds the same bits. Ranks that call "
-    "different allreduces at the same point get an error naming both. Read once, when "
-    "jaxddp's world starts; off on one rank is off on all.",
+    "every rank's part in rank order, so every rank holds the same bits. Where the ranks' "
+    "sums, maxima or minima at the same point differ in count, dtype or op, each gets an "
+    "error naming both calls (jaxddp's signature check, `JAXDDP_CHECK`, catches that "
+    "earlier). Read once, when jaxddp's world starts; off on one rank is off on all.",
 )
 
 SETTINGS = (

@@ -13,14 +13,17 @@ slept runs ahead of one that has been running).
 
 Where every rank is on this node (2 to :data:`MAX_SHARED_RANKS` of them; :func:`share`,
 collective, when jaxddp's world starts), sums, maxima and minima skip MPI: each rank copies
-its part into its own slot of an MPI shared-memory window, sleeps on a futex until the last
-rank has copied (which wakes it: one wake-up, none while the other ranks are away), and
-reduces every rank's slot in rank order, so every rank holds the same bits. A message larger
-than a slot goes through in turns; ranks whose calls differ at the same point (count, dtype
-or op) get an error naming both calls instead of a wrong sum. The wait has no timeout, as a
-blocking collective has none: a rank that never comes is the stall inspector's to report.
-Whether a call goes this way depends only on its attributes (communicator, op, datatype),
-so every rank decides the same; other ops and datatypes go through MPI as above.
+its part into its own slot of an MPI shared-memory window, spins 50 µs, then sleeps on a
+futex until the last rank has copied (that rank rings once: one wake-up a call), and reduces
+every rank's slot in rank order, so every rank holds the same bits. A message larger than a
+slot goes through in turns. Where the ranks' calls at one point are all of this kind but
+differ (count, dtype or op), each rank gets an error naming both calls instead of a wrong
+sum; where one rank's call goes through MPI instead, they wait for each other as mismatched
+MPI calls do (jaxddp's signature check, ``JAXDDP_CHECK``, catches both before). The wait
+has no timeout, as a blocking collective has none: a rank that never comes is the stall
+inspector's to report. Whether a call goes this way depends only on its attributes
+(communicator, op, datatype), so every rank decides the same; other ops and datatypes go
+through MPI as above.
 
 How: compiled with the C++ compiler (``$CXX``, else ``c++``) against the FFI headers of the
 jaxlib in use (``jax.ffi.include_dir()``), into ``$XDG_CACHE_HOME/jaxddp/native`` (else
@@ -189,7 +192,7 @@ _KINDS = {
     "UINT8_T": (6, 1), "UINT16_T": (7, 1), "UINT32_T": (8, 1), "UINT64_T": (9, 1),
 }  # fmt: skip
 # The MPI window of that memory, its address, and the communicator's size; kept until the
-# process ends.
+# process ends (never freed: the handler may use it until then).
 _shared: tuple[Any, int, int] | None = None
 
 
@@ -212,17 +215,18 @@ def share(MPI: Any, comm: Any, one_node: bool) -> None:
     header = 64 + 64 * size
     header += -header % 4096
     nbytes = header + 2 * size * SLOT_BYTES
+    window = memory = None
     try:
         window = MPI.Win.Allocate_shared(nbytes if rank == 0 else 0, 1, comm=comm)
         memory, _ = window.Shared_query(0)
         if rank == 0:
             ctypes.memset(memory.address, 0, header)
-    except MPI.Exception:
-        window = None
+    except Exception:  # noqa: BLE001 - whatever failed, this rank cannot share: none does
+        memory = None
     # Every rank or none (a rank alone would wait for ever), and zeroed before any counts.
-    if not comm.allreduce(window is not None, op=MPI.LAND):
-        if window is not None:
-            window.Free()
+    # A window some rank could not use is left as it is (freeing it is collective), as a
+    # window in use is kept: until the process ends.
+    if not comm.allreduce(memory is not None, op=MPI.LAND) or memory is None:
         return
     names = list(_KINDS)
     int64s = ctypes.c_int64 * len(names)

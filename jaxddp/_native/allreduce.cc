@@ -103,7 +103,7 @@ ffi::Error wait(intptr_t* request) {
 }
 
 // The shared-memory allreduce. The memory: a 64-byte line holding the bell (a futex word
-// every arrival bumps) and the count of ranks asleep on it, then a 64-byte Record per rank,
+// bumped when the last rank of a call arrives) and the count of ranks asleep on it, then a 64-byte Record per rank,
 // then per rank two slots of slot_bytes. Call (or chunk) k of a rank uses its slot k % 2: it
 // writes that slot again at call k + 2, which it reaches only when every rank has arrived
 // at k + 1, i.e. has finished reading the slots of k.
@@ -159,17 +159,21 @@ long futex(std::atomic<uint32_t>* word, int op, uint32_t value, const timespec* 
 
 bool all_arrived(uint32_t arrival) {
   for (uint32_t r = 0; r < shared.ranks; ++r) {
-    const uint32_t seen = shared.records[r].arrival.load(std::memory_order_acquire);
+    const uint32_t seen = shared.records[r].arrival.load(std::memory_order_seq_cst);
     if (static_cast<int32_t>(seen - arrival) < 0) return false;
   }
   return true;
 }
 
+// Publishes this rank's arrival; the rank that finds every rank arrived rings the bell. Of
+// two ranks arriving at once, at least one sees the other (each stores, then loads, all
+// seq_cst), so the last arrival is never missed; the waiters wake once per call, not once
+// per rank. A rank about to sleep counts itself first and looks again, so one that the
+// sleepers load misses sees the bell moved, and its futex wait returns at once.
 void publish(uint32_t arrival) {
   shared.records[shared.rank].arrival.store(arrival, std::memory_order_seq_cst);
+  if (!all_arrived(arrival)) return;
   shared.bell->fetch_add(1, std::memory_order_seq_cst);
-  // A rank about to sleep counts itself first and looks again, so one that this load
-  // misses sees the arrival above (or the bell moved, and its futex wait returns at once).
   if (shared.sleepers->load(std::memory_order_seq_cst) != 0) {
     futex(shared.bell, FUTEX_WAKE, INT_MAX, nullptr);
   }
@@ -177,7 +181,7 @@ void publish(uint32_t arrival) {
 
 // Waits until every rank has arrived at `arrival`, for as long as it takes (as a blocking
 // MPI collective does): a rank that never comes is the stall inspector's to report. Asleep,
-// it wakes only when a rank arrives (no timeout): the inspector counts a main thread's
+// it wakes only when the last rank arrives (no timeout): the inspector counts a main thread's
 // wakes as progress (jaxddp/_watchdog/sleeps.py), and XLA may run a step on the main thread.
 void await_all(uint32_t arrival) {
   const int64_t start = now_ns();
