@@ -135,13 +135,15 @@ def _load(MPI: Any) -> str | None:
         capsule = jax.ffi.pycapsule(library.jaxddp_allreduce)
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
         library.jaxddp_native_share.argtypes = [
-            ctypes.c_void_p,
+            *[ctypes.c_void_p] * 2,
             *[ctypes.c_int64] * 4,
             *[ctypes.POINTER(ctypes.c_int64)] * 3,
             ctypes.c_int64,
             ctypes.POINTER(ctypes.c_int64),
         ]
         library.jaxddp_native_share_on.argtypes = [ctypes.c_int64]
+        library.jaxddp_native_shared_arrivals.argtypes = [ctypes.c_int64]
+        library.jaxddp_native_shared_arrivals.restype = ctypes.c_int64
         _library = library
     except (AttributeError, OSError, RuntimeError, subprocess.SubprocessError) as error:
         return f"it could not be built or loaded here: {error}"
@@ -175,7 +177,7 @@ def status() -> str:
         return "not chosen yet (jaxddp's world not started)"
     if _shared is not None:
         return (
-            f"{_agreed[1]}; the {_shared[2]} ranks, all on this node, reduce sums, maxima and "
+            f"{_agreed[1]}; the {_shared[1]} ranks, all on this node, reduce sums, maxima and "
             "minima in memory they share, without MPI"
         )
     return _agreed[1]
@@ -191,9 +193,9 @@ _KINDS = {
     "INT8_T": (2, 1), "INT16_T": (3, 1), "INT32_T": (4, 1), "INT64_T": (5, 1),
     "UINT8_T": (6, 1), "UINT16_T": (7, 1), "UINT32_T": (8, 1), "UINT64_T": (9, 1),
 }  # fmt: skip
-# The MPI window of that memory, its address, and the communicator's size; kept until the
+# The MPI window of that memory and the communicator's size; kept until the
 # process ends (never freed: the handler may use it until then).
-_shared: tuple[Any, int, int] | None = None
+_shared: tuple[Any, int] | None = None
 
 
 def share(MPI: Any, comm: Any, one_node: bool) -> None:
@@ -232,6 +234,7 @@ def share(MPI: Any, comm: Any, one_node: bool) -> None:
     int64s = ctypes.c_int64 * len(names)
     _library.jaxddp_native_share(
         memory.address,
+        memory.address + header,  # the slots
         _mpi.c_handle(comm),
         size,
         rank,
@@ -243,7 +246,7 @@ def share(MPI: Any, comm: Any, one_node: bool) -> None:
         (ctypes.c_int64 * 3)(*[_mpi.c_handle(op) for op in (MPI.SUM, MPI.MAX, MPI.MIN)]),
     )
     _library.jaxddp_native_share_on(1)
-    _shared = (window, memory.address, size)
+    _shared = (window, size)
 
 
 def _share_on(on: bool) -> None:
@@ -257,7 +260,6 @@ def shared_calls() -> list[int] | None:
     """How many slots' worth of allreduce each rank of this node has put through the shared
     memory (modulo 2**32; an allreduce larger than a slot counts once per slot); None where
     there is none."""
-    if _shared is None:
+    if _shared is None or _library is None:
         return None
-    _, address, size = _shared
-    return [ctypes.c_uint32.from_address(address + 64 + 64 * r).value for r in range(size)]
+    return [_library.jaxddp_native_shared_arrivals(r) for r in range(_shared[1])]

@@ -338,20 +338,20 @@ extern "C" __attribute__((visibility("default"))) void jaxddp_native_configure(
   test = reinterpret_cast<TestFn>(test_fn);
 }
 
-// The shared-memory allreduce's memory (laid out as above, all zero at first), the
-// communicator it serves, its size and this rank, the size of a slot, and the datatypes
+// The shared-memory allreduce's memory (laid out as above: the header, all zero at first,
+// then from `data` the slots), the communicator it serves, its size and this rank, the size
+// of a slot, and the datatypes
 // and ops it takes: `types[i]` is an MPI datatype of Kind `kinds[i]` (`factors[i]` of them
 // an element), `ops` MPI's sum, max and min. It starts off (jaxddp_native_share_on).
 extern "C" __attribute__((visibility("default"))) void jaxddp_native_share(
-    void* memory, int64_t comm, int64_t ranks, int64_t rank, int64_t slot_bytes,
+    void* memory, void* data, int64_t comm, int64_t ranks, int64_t rank, int64_t slot_bytes,
     const int64_t* types, const int64_t* kinds, const int64_t* factors, int64_t ntypes,
     const int64_t* ops) {
   auto* base = static_cast<char*>(memory);
   shared.bell = reinterpret_cast<std::atomic<uint32_t>*>(base);
   shared.sleepers = reinterpret_cast<std::atomic<uint32_t>*>(base + 4);
   shared.records = reinterpret_cast<Record*>(base + 64);
-  const int64_t header = 64 + 64 * ranks;
-  shared.data = base + header + (-header & 4095);
+  shared.data = static_cast<char*>(data);
   shared.slot_bytes = slot_bytes;
   shared.comm = static_cast<intptr_t>(comm);
   shared.ranks = static_cast<uint32_t>(ranks);
@@ -369,4 +369,10 @@ extern "C" __attribute__((visibility("default"))) void jaxddp_native_share(
 // Every rank must turn it on or off at the same point, with no allreduce in flight.
 extern "C" __attribute__((visibility("default"))) void jaxddp_native_share_on(int64_t on) {
   shared.on.store(on != 0 && shared.bell != nullptr, std::memory_order_release);
+}
+
+// How many chunks rank `rank` has put through the shared memory (modulo 2**32).
+extern "C" __attribute__((visibility("default"))) int64_t jaxddp_native_shared_arrivals(
+    int64_t rank) {
+  return shared.records[rank].arrival.load();
 }
