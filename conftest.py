@@ -8,5 +8,5 @@ collect_ignore = [
     path
     for name in ("grain", "torch")
     if importlib.util.find_spec(name) is None
-    for path in (f"jaxddp/{name}.py", f"jaxddp/_loaders/{name}.py")
+    for path in (f"jaxddp/{name}.py", f"jaxddp/_data/loaders/{name}.py")
 ]

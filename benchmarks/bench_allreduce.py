@@ -31,7 +31,7 @@ import numpy as np
 
 import jaxddp
 from benchmarks.payloads import PAYLOADS, make_tree, nbytes
-from jaxddp import _comm
+from jaxddp._collectives import api as _comm
 
 
 def _sample(fn: Callable[[], object]) -> float:

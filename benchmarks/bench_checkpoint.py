@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxddp
-from jaxddp import _checkpoint, _comm
+from jaxddp._collectives import api as _comm
+from jaxddp._training import checkpoint as _checkpoint
 
 
 def make_state() -> dict:

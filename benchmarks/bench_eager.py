@@ -34,7 +34,9 @@ import numpy as np
 
 import jaxddp
 from benchmarks.bench_allreduce import interleaved
-from jaxddp import _comm, _primitive, _signature
+from jaxddp._collectives import api as _comm
+from jaxddp._collectives import signature as _signature
+from jaxddp._collectives._jax import primitives as _primitive
 
 
 def mpi4py_allreduce(n: int, dtype: type) -> object:

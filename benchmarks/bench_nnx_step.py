@@ -50,7 +50,7 @@ from flax import nnx
 
 import jaxddp
 from benchmarks.bench_allreduce import impl_limit, interleaved_samples
-from jaxddp import _primitive
+from jaxddp._collectives._jax import primitives as _primitive
 
 D_IN, D_OUT = 32, 10
 MODELS = {  # name: (blocks, width)

@@ -37,7 +37,7 @@ from benchmarks.bench_nnx_step import (
     parse_args,
     write_result,
 )
-from jaxddp import _primitive
+from jaxddp._collectives._jax import primitives as _primitive
 
 
 def _state_bytes(optimizer: nnx.Optimizer) -> int:

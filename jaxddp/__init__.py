@@ -10,34 +10,35 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 from typing import TYPE_CHECKING
 
-from . import _jax_compat, _world
-from ._checkpoint import CheckpointManager as CheckpointManager
-from ._checkpoint import DamagedCheckpointError as DamagedCheckpointError
-from ._comm import allreduce as allreduce
-from ._comm import broadcast as broadcast
-from ._comm import local_rank as local_rank
-from ._comm import rank as rank
-from ._comm import reduce as reduce
-from ._comm import world_size as world_size
-from ._consistency import TreeMismatchError as TreeMismatchError
-from ._consistency import synchronize as synchronize
-from ._gradients import allreduce_gradients as allreduce_gradients
-from ._gradients import resolve_unused_parameters as resolve_unused_parameters
-from ._launcher import LauncherMismatchError as LauncherMismatchError
-from ._launcher import LauncherReport as LauncherReport
-from ._launcher import LauncherWarning as LauncherWarning
-from ._launcher import check_launcher as check_launcher
-from ._metrics import masked_mean as masked_mean
-from ._progress import heartbeat as heartbeat
-from ._sampler import DistributedSampler as DistributedSampler
-from ._sharded import ShardedOptimizer as ShardedOptimizer
-from ._sharded import ShardedState as ShardedState
-from ._sharded import shard_optimizer as shard_optimizer
-from ._state import average_state as average_state
+from ._base.progress import heartbeat as heartbeat
+from ._collectives._jax import compat as _jax_compat
+from ._collectives.api import allreduce as allreduce
+from ._collectives.api import broadcast as broadcast
+from ._collectives.api import local_rank as local_rank
+from ._collectives.api import rank as rank
+from ._collectives.api import reduce as reduce
+from ._collectives.api import world_size as world_size
+from ._collectives.consistency import TreeMismatchError as TreeMismatchError
+from ._collectives.consistency import synchronize as synchronize
+from ._data.sampler import DistributedSampler as DistributedSampler
+from ._runtime import world as _world
+from ._runtime.launcher import LauncherMismatchError as LauncherMismatchError
+from ._runtime.launcher import LauncherReport as LauncherReport
+from ._runtime.launcher import LauncherWarning as LauncherWarning
+from ._runtime.launcher import check_launcher as check_launcher
+from ._training.checkpoint import CheckpointManager as CheckpointManager
+from ._training.checkpoint import DamagedCheckpointError as DamagedCheckpointError
+from ._training.gradients import allreduce_gradients as allreduce_gradients
+from ._training.gradients import resolve_unused_parameters as resolve_unused_parameters
+from ._training.metrics import masked_mean as masked_mean
+from ._training.sharded import ShardedOptimizer as ShardedOptimizer
+from ._training.sharded import ShardedState as ShardedState
+from ._training.sharded import shard_optimizer as shard_optimizer
+from ._training.state import average_state as average_state
 
 if TYPE_CHECKING:  # imported on first use (it needs flax): see __getattr__
-    from ._batchnorm import LinenSyncBatchNorm as LinenSyncBatchNorm
-    from ._batchnorm import SyncBatchNorm as SyncBatchNorm
+    from ._training.batchnorm import LinenSyncBatchNorm as LinenSyncBatchNorm
+    from ._training.batchnorm import SyncBatchNorm as SyncBatchNorm
 
 try:
     __version__ = _version("jaxddp")
@@ -54,7 +55,7 @@ _world.start()
 def __getattr__(name: str) -> object:
     # The batch norms need flax: imported on first use, so that `import jaxddp` does not.
     if name in ("SyncBatchNorm", "LinenSyncBatchNorm"):
-        from . import _batchnorm
+        from ._training import batchnorm as _batchnorm
 
         return getattr(_batchnorm, name)
     msg = f"module 'jaxddp' has no attribute {name!r}"

@@ -24,9 +24,13 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from . import _launcher, _native, _primitive, _settings, _world
-from ._jax_compat import MPI4JAX_CPU_BRIDGE
-from ._launcher import LauncherMismatchError, LauncherReport, LauncherWarning, Verdict
+from . import _native
+from ._base import settings as _settings
+from ._collectives._jax import primitives as _primitive
+from ._collectives._jax.compat import MPI4JAX_CPU_BRIDGE
+from ._runtime import launcher as _launcher
+from ._runtime import world as _world
+from ._runtime.launcher import LauncherMismatchError, LauncherReport, LauncherWarning, Verdict
 
 __all__ = ["doctor", "main"]
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 try:
     import grain as _grain  # noqa: F401
 except ImportError as error:  # pragma: no cover - depends on the environment
-    from ._loaders import missing
+    from ._data.loaders import missing
 
     problem = missing("grain", "grain", error)
     raise problem from None
 
-from ._loaders.grain import ShardedBatches, batches
+from ._data.loaders.grain import ShardedBatches, batches
 
 __all__ = ["ShardedBatches", "batches"]

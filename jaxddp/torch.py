@@ -12,11 +12,11 @@ from __future__ import annotations
 try:
     import torch as _torch  # noqa: F401
 except ImportError as error:  # pragma: no cover - depends on the environment
-    from ._loaders import missing
+    from ._data.loaders import missing
 
     problem = missing("torch", "torch", error)
     raise problem from None
 
-from ._loaders.torch import DataLoader, DistributedBatchSampler, Entry, MaskedDataset
+from ._data.loaders.torch import DataLoader, DistributedBatchSampler, Entry, MaskedDataset
 
 __all__ = ["DataLoader", "DistributedBatchSampler", "Entry", "MaskedDataset"]

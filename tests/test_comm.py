@@ -65,7 +65,7 @@ def test_masked_mean_of_float16_accumulates_in_float32(jit):
 
 
 def test_describe_tree_names_key_dtypes():
-    from jaxddp._consistency import describe_tree
+    from jaxddp._collectives.consistency import describe_tree
 
     assert describe_tree({"k": jax.random.split(jax.random.key(0), 3)}) == [
         ("['k']", "key<fry>[3]")
@@ -73,7 +73,7 @@ def test_describe_tree_names_key_dtypes():
 
 
 def test_large_buffers_travel_in_chunks_mpi_can_count():
-    from jaxddp._buckets import MAX_COUNT, chunks
+    from jaxddp._collectives.buckets import MAX_COUNT, chunks
 
     assert MAX_COUNT == 2**31 - 1
     assert chunks(0) == [(0, 0)]

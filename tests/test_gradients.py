@@ -169,7 +169,7 @@ def test_synchronize_and_broadcast_keep_non_array_leaves():
 
 
 def test_describe_tree_and_mismatch_message():
-    from jaxddp._consistency import _explain, describe_tree
+    from jaxddp._collectives.consistency import _explain, describe_tree
 
     a = describe_tree({"w": jnp.ones((2, 3)), "b": jnp.ones(3)})
     b = describe_tree({"w": jnp.ones((2, 3))})

@@ -1,6 +1,6 @@
 """The JAX versions jaxddp was verified on, and what it does on any other.
 
-Every JAX and mpi4jax internal jaxddp uses is in one module, ``jaxddp._jax_compat``. On a JAX
+Every JAX and mpi4jax internal jaxddp uses is in one module, ``jaxddp._collectives._jax.compat``. On a JAX
 outside its verified range jaxddp warns once, takes the ordered path (mpi4jax's ordered
 effect) and changes none of JAX's rules; ``tests/scripts/unverified_jax.py`` fakes such a JAX
 on real ranks and checks values, the path and JAX's staging rule.
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import jax
 
-from jaxddp import _jax_compat, _primitive
+from jaxddp._collectives._jax import compat as _jax_compat
+from jaxddp._collectives._jax import primitives as _primitive
 from tests.harness import fresh_python, launch
 
 ROOT = Path(__file__).parent.parent
@@ -27,13 +28,13 @@ def test_only_the_compat_module_imports_jax_or_mpi4jax_internals():
         for path in (ROOT / "jaxddp").rglob("*.py")
         if internal.search(path.read_text())
     )
-    assert users == ["jaxddp/_jax_compat.py"]
+    assert users == ["jaxddp/_collectives/_jax/compat.py"]
 
 
 def test_this_jax_is_verified():
     assert _jax_compat.unverified_reason() is None, (
         f"{_jax_compat.unverified_reason()}: check the ordering tests (tests/test_ordering.py, "
-        "tests/mpi/test_ordering.py) on it, then add it to jaxddp._jax_compat.VERIFIED."
+        "tests/mpi/test_ordering.py) on it, then add it to jaxddp._collectives._jax.compat.VERIFIED."
     )
     assert _jax_compat.missing_internals() is None
 

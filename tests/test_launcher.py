@@ -22,7 +22,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxddp
-from jaxddp import LauncherMismatchError, LauncherReport, LauncherWarning, _launcher, check_launcher
+from jaxddp import LauncherMismatchError, LauncherReport, LauncherWarning, check_launcher
+from jaxddp._runtime import launcher as _launcher
 
 DATA = Path(__file__).with_name("data")
 GRID = json.loads((DATA / "cross_launch_grid.json").read_text())

@@ -9,7 +9,7 @@ XLA:CPU actually built (its own debug log) and checks that the collectives of a 
 one chain, through a ``lax.cond`` too, and through a jitted function replayed into its
 caller. It depends on that log's format: if a jaxlib upgrade
 changes it, the parsing fails loudly here, and the ordering needs checking again before the
-new release joins ``jaxddp._jax_compat.VERIFIED``.
+new release joins ``jaxddp._collectives._jax.compat.VERIFIED``.
 """
 
 import itertools
@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxddp import _primitive
+from jaxddp._collectives._jax import primitives as _primitive
 from tests.harness import launch
 
 SCRIPTS = Path(__file__).with_name("scripts")
@@ -95,7 +95,7 @@ def test_this_jaxlib_takes_the_fast_path():
     assert _primitive.fast_path(), (
         f"jax {jax.__version__}: {_primitive.path_reason()[1]}, so every collective "
         "takes the ordered-effect path. Check the ordering tests (tests/test_ordering.py, "
-        "tests/mpi/test_ordering.py) against it, then add it to jaxddp._jax_compat.VERIFIED."
+        "tests/mpi/test_ordering.py) against it, then add it to jaxddp._collectives._jax.compat.VERIFIED."
     )
 
 

@@ -6,8 +6,8 @@ import jax
 import optax
 
 import jaxddp
-from jaxddp._paths import package_of
-from jaxddp._watchdog import stacks
+from jaxddp._base.paths import package_of
+from jaxddp._runtime.watchdog import stacks
 
 NAMES = ("jax", "jaxlib", "jaxddp")
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxddp import _settings
-from jaxddp._settings import SettingError, SkipLevel
+from jaxddp._base import settings as _settings
+from jaxddp._base.settings import SettingError, SkipLevel
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxddp"

@@ -11,8 +11,9 @@ import pytest
 from flax import nnx
 
 import jaxddp
-from jaxddp import _comm, _primitive
-from jaxddp._sharded import _layout
+from jaxddp._collectives import api as _comm
+from jaxddp._collectives._jax import primitives as _primitive
+from jaxddp._training.sharded import _layout
 
 PARAMS = {
     "w": jnp.arange(12.0).reshape(3, 4),

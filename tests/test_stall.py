@@ -30,7 +30,7 @@ ENV = {"JAXDDP_STALL_WARN": str(WARN), "JAXDDP_STALL_ABORT": str(ABORT)}
 SIZES = [2, 4]
 # How the waiting ranks wait: at 2 ranks MPICH's default (they spin in MPI), at 4 ranks in a
 # quick launch (tests/harness: MPICH's heavy yield, a nanosleep on every turn of its polling
-# loop, which the inspector must not take for progress; jaxddp/_watchdog/sleeps.py). So each
+# loop, which the inspector must not take for progress; jaxddp/_runtime/watchdog/sleeps.py). So each
 # stall is caught both ways.
 SLEEPING_WAITS_AT = {4}
 

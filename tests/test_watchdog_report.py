@@ -1,7 +1,7 @@
-"""Which ranks the stall report names as behind (jaxddp/_watchdog/report.py), from the
+"""Which ranks the stall report names as behind (jaxddp/_runtime/watchdog/report.py), from the
 snapshots the ranks send; the launches of tests/test_stall.py check the report end to end."""
 
-from jaxddp._watchdog.report import render
+from jaxddp._runtime.watchdog.report import render
 from tests.test_stall import behind
 
 

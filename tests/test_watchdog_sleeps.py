@@ -1,4 +1,4 @@
-"""The stall inspector's reading of a thread's sleeps (jaxddp/_watchdog/sleeps.py), on real
+"""The stall inspector's reading of a thread's sleeps (jaxddp/_runtime/watchdog/sleeps.py), on real
 threads: one that sleeps in short turns as a polling MPI does (MPICH's heavy yield), one that
 waits for results that keep coming (a loop of jitted steps), one asleep for good."""
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from jaxddp._watchdog.sleeps import POLLING_WAKES_PER_SECOND, MainSleeps
+from jaxddp._runtime.watchdog.sleeps import POLLING_WAKES_PER_SECOND, MainSleeps
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not MainSleeps(threading.get_native_id()).nanosleeps,

@@ -55,7 +55,8 @@ from typing import Any
 
 import jax
 
-from .. import _mpi, _settings
+from .._base import mpi as _mpi
+from .._base import settings as _settings
 
 __all__ = ["TARGET", "agree", "allreduce_target", "share", "shared_calls", "status"]
 

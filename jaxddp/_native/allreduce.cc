@@ -182,7 +182,8 @@ void publish(uint32_t arrival) {
 // Waits until every rank has arrived at `arrival`, for as long as it takes (as a blocking
 // MPI collective does): a rank that never comes is the stall inspector's to report. Asleep,
 // it wakes only when the last rank arrives (no timeout): the inspector counts a main thread's
-// wakes as progress (jaxddp/_watchdog/sleeps.py), and XLA may run a step on the main thread.
+// wakes as progress (jaxddp/_runtime/watchdog/sleeps.py), and XLA may run a step on the main
+// thread.
 void await_all(uint32_t arrival) {
   const int64_t start = now_ns();
   while (true) {

@@ -40,5 +40,5 @@ def worker_view():
     try:
         jaxddp.rank()
     except RuntimeError as error:
-        return jaxddp._world.in_loader_worker(), str(error)
-    return jaxddp._world.in_loader_worker(), ""
+        return jaxddp._runtime.world.in_loader_worker(), str(error)
+    return jaxddp._runtime.world.in_loader_worker(), ""

@@ -237,7 +237,7 @@ def test_an_allreduce_larger_than_the_shared_slots_goes_through_them_in_turn():
 def test_ranks_that_call_different_allreduces_get_an_error_naming_both():
     # jaxddp's signature check would catch this first; without it (check=False), the
     # shared-memory allreduce compares the calls itself instead of adding 3 numbers to 4.
-    from jaxddp._comm import reduce_all
+    from jaxddp._collectives.api import reduce_all
 
     n = 3 if rank == 0 else 4
     f = jax.jit(lambda x: reduce_all(x, "sum", check=False))

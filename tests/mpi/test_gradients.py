@@ -203,7 +203,7 @@ def test_mismatched_gradients_raise_by_default_instead_of_reducing_garbage(
 
 @pytest.mark.parametrize(("variable", "calls"), [(None, 1), ("0", 0), ("off", 0)])
 def test_the_default_check_runs_once_per_compilation_not_per_step(monkeypatch, variable, calls):
-    from jaxddp import _signature
+    from jaxddp._collectives import signature as _signature
 
     if variable is None:
         monkeypatch.delenv("JAXDDP_CHECK", raising=False)

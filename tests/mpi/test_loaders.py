@@ -229,7 +229,7 @@ def test_a_spawned_worker_imports_jaxddp_without_starting_mpi():
         inside, message = pool.apply(worker_view)
     assert inside is True
     assert "not available in a data-loading worker process" in message
-    assert jaxddp._world.in_loader_worker() is False  # the rank itself is no worker
+    assert jaxddp._runtime.world.in_loader_worker() is False  # the rank itself is no worker
 
 
 def test_grain_sharding_by_jax_process_is_refused_under_mpi():

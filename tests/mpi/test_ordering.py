@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 import jaxddp
-from jaxddp import _primitive
+from jaxddp._collectives._jax import primitives as _primitive
 
 MPI_SIZES = (2, 4)
 MPI_VARIANTS = {"ordered": {"JAXDDP_TEST_COLLECTIVE_PATH": "ordered"}}

@@ -15,7 +15,7 @@ import pytest
 
 import jaxddp
 from jaxddp import DistributedSampler
-from jaxddp._comm import py_comm
+from jaxddp._collectives.api import py_comm
 
 MPI_SIZES = (2, 3, 4)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxddp
-from jaxddp import _signature
+from jaxddp._collectives import signature as _signature
 
 MPI_SIZES = (2, 4)
 

@@ -26,7 +26,8 @@ jax.__version__ = FAKE
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import jaxddp
-    from jaxddp import _jax_compat, _primitive
+    from jaxddp._collectives._jax import compat as _jax_compat
+    from jaxddp._collectives._jax import primitives as _primitive
 
 unverified = [w for w in caught if issubclass(w.category, _jax_compat.UnverifiedJaxWarning)]
 assert len(unverified) == 1, [str(w.message) for w in caught]

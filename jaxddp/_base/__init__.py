@@ -1,0 +1,1 @@
+"""The leaves: settings, loading MPI, package paths, progress counting, exit handling."""

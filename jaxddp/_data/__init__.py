@@ -1,0 +1,1 @@
+"""The sampler, its arithmetic and the loaders it feeds."""

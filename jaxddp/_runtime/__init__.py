@@ -1,0 +1,1 @@
+"""The MPI world (start-up, communicators, ranks), the launcher guard and the stall inspector."""
