@@ -73,7 +73,7 @@ def test_describe_tree_names_key_dtypes():
 
 
 def test_large_buffers_travel_in_chunks_mpi_can_count():
-    from jaxddp._collectives.buckets import MAX_COUNT, chunks
+    from jaxddp._collectives.wire import MAX_COUNT, chunks
 
     assert MAX_COUNT == 2**31 - 1
     assert chunks(0) == [(0, 0)]

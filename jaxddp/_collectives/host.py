@@ -2,7 +2,7 @@
 
 Outside ``jax.jit`` (metrics logged each step, an evaluation's ``masked_mean``), compiling
 and dispatching a tiny executable costs far more than moving a few bytes. Here the leaves
-are read into NumPy, packed as :func:`jaxddp._collectives.buckets.plan` says (the same messages the
+are read into NumPy, packed as :func:`jaxddp._collectives.wire.plan` says (the same messages the
 compiled path sends) and reduced in place with mpi4py. Results are NumPy arrays.
 """
 
@@ -13,23 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from .buckets import ALONE_BYTES, chunks, plan, split, wire_dtype
+from .wire import ALONE_BYTES, chunks, from_wire, plan, split, to_wire
 
 __all__ = ["allreduce", "broadcast", "reduce"]
-
-
-def _wire(x: Any, arithmetic: bool) -> np.ndarray:
-    x = np.asarray(x)
-    wire = wire_dtype(x.dtype, arithmetic)
-    if wire == x.dtype:
-        return x
-    return x.astype(wire) if arithmetic else x.view(wire)
-
-
-def _unwire(x: np.ndarray, like: np.dtype, arithmetic: bool) -> np.ndarray:
-    if x.dtype == like:
-        return x
-    return x.astype(like) if arithmetic else x.view(like)
 
 
 def _apply(
@@ -41,7 +27,7 @@ def _apply(
     ``receive=False`` (a rank whose buffers are only sent) skips the unpacking.
     """
     dtypes = [np.asarray(x).dtype for x in leaves]
-    wire = [_wire(x, arithmetic) for x in leaves]
+    wire = [to_wire(np.asarray(x), arithmetic) for x in leaves]
     out: list[np.ndarray] = list(wire)  # empty leaves stay as they are
     for group in plan(wire):
         buffer = np.concatenate([wire[i].ravel() for i in group])  # a writable copy
@@ -50,7 +36,7 @@ def _apply(
         if receive:
             for i, piece in zip(group, split(buffer, [wire[i] for i in group]), strict=True):
                 out[i] = piece
-    return [_unwire(x, d, arithmetic) for x, d in zip(out, dtypes, strict=True)]
+    return [from_wire(x, d, arithmetic) for x, d in zip(out, dtypes, strict=True)]
 
 
 _METRIC_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64"))

@@ -26,6 +26,7 @@ import numpy as np
 
 from .._collectives import api as _comm
 from .._collectives import consistency as _consistency
+from .._collectives.dtypes import is_key_dtype
 from .._runtime import world as _world
 
 __all__ = ["CheckpointManager", "DamagedCheckpointError"]
@@ -39,7 +40,7 @@ class DamagedCheckpointError(RuntimeError):
 
 
 def _is_key(leaf: Any) -> bool:
-    return _comm.is_key_dtype(getattr(leaf, "dtype", None))
+    return is_key_dtype(getattr(leaf, "dtype", None))
 
 
 def _is_empty(leaf: Any) -> bool:

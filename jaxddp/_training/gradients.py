@@ -17,6 +17,7 @@ import optax
 
 from .._base import settings as _settings
 from .._collectives import api as _comm
+from .._collectives.checks import check_op
 
 __all__ = ["allreduce_gradients", "check_flag", "filled", "resolve_unused_parameters"]
 
@@ -168,7 +169,7 @@ def allreduce_gradients(
       >>> bool((updates["frozen"] == 0).all())  # no gradient: no update, and no hang
       True
     """
-    _comm.check_op(op)
+    check_op(op)
     check = check_flag(check)
 
     def init_fn(params: Any) -> optax.EmptyState:

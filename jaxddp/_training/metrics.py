@@ -11,7 +11,7 @@ import numpy as np
 
 from .._collectives import host as _host
 from .._collectives import signature as _signature
-from .._collectives.api import _channels, _is_concrete, _mpi_op, reduce_all
+from .._collectives.api import channels, is_concrete, mpi_op_of, reduce_all
 
 __all__ = ["masked_mean"]
 
@@ -52,7 +52,7 @@ def masked_mean(values: Any, mask: Any, *, comm: Any = None) -> jax.Array:
       >>> float(jax.jit(jaxddp.masked_mean)(loss, mask))  # on one rank
       2.0
     """
-    if _is_concrete(values) and _is_concrete(mask):
+    if is_concrete(values) and is_concrete(mask):
         return _host_masked_mean(np.asarray(values), np.asarray(mask), comm)
     values = jnp.asarray(values)
     mask = jnp.asarray(mask)
@@ -105,7 +105,7 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
         buffer[-1] = len(picked)
     else:  # one value per sample, the common case: kept short
         buffer = np.array([np.add.reduce(picked, dtype=wide), len(picked)], wide)
-    _, size, _, host_comm = _channels(comm)
+    _, size, _, host_comm = channels(comm)
     if size > 1:
         rows = None
         if _signature.enabled():  # the sums and the count travel with the check if they fit
@@ -118,7 +118,7 @@ def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
                 payload=buffer,
             )
         if rows is None:
-            host_comm.Allreduce(_host.in_place(), buffer, _mpi_op("sum"))
+            host_comm.Allreduce(_host.in_place(), buffer, mpi_op_of("sum"))
         else:
             np.add.reduce(rows, axis=0, out=buffer)
     if buffer[-1] == 0:  # no rank has a real entry

@@ -25,7 +25,7 @@ from jax.core import Tracer
 from .._collectives import api as _comm
 from .._collectives import signature as _signature
 from .._collectives._jax import primitives as _primitive
-from .._collectives.buckets import chunks, wire_dtype
+from .._collectives.wire import chunks, from_wire, to_wire, wire_dtype
 from .gradients import check_flag, filled
 from .sharded_check import check_elementwise
 
@@ -117,23 +117,6 @@ def _layout(params: Any, rank: int, size: int, what: str = "params") -> _Layout:
 # ---- the two moves, traced (jaxddp's primitives) or concrete (mpi4py) ---------------------
 
 
-def _to_wire(x: Any) -> Any:
-    wire = wire_dtype(x.dtype, arithmetic=False)
-    if wire == x.dtype:
-        return x
-    if isinstance(x, np.ndarray):
-        return x.view(wire)
-    return jax.lax.bitcast_convert_type(x, wire)
-
-
-def _from_wire(x: Any, dtype: Any) -> Any:
-    if x.dtype == dtype:
-        return x
-    if isinstance(x, np.ndarray):
-        return x.view(dtype)
-    return jax.lax.bitcast_convert_type(x, dtype)
-
-
 def _columns(x: Any, call: Any) -> Any:
     """``call`` on the ``(size, c)`` buffer ``x``, in column chunks an MPI count can hold."""
     spans = chunks(x.shape[1])
@@ -162,7 +145,7 @@ def _alltoall(rows: list[Any], comm: tuple[Any, Any]) -> list[Any]:
             def move(b: Any) -> Any:
                 return _primitive.alltoall_many([b], jax_comm)[0]
 
-        out.append(_from_wire(_columns(_to_wire(x), move), dtype))
+        out.append(from_wire(_columns(to_wire(x, arithmetic=False), move), dtype, arithmetic=False))
     return out
 
 
@@ -188,8 +171,8 @@ def _allgather(slices: list[Any], comm: tuple[Any, Any], size: int) -> list[Any]
             def move(b: Any) -> Any:
                 return _primitive.allgather_many([b[0]], jax_comm)[0]
 
-        rows = _columns(_to_wire(x)[None], move)
-        out.append(_from_wire(rows, dtype).reshape(-1))
+        rows = _columns(to_wire(x, arithmetic=False)[None], move)
+        out.append(from_wire(rows, dtype, arithmetic=False).reshape(-1))
     return out
 
 
@@ -263,7 +246,7 @@ class _Sharder:
         self.inner, self.clip, self.comm, self.check = inner, clip, comm, check
 
     def layout(self, params: Any, what: str = "params") -> tuple[_Layout, tuple[Any, Any]]:
-        rank, size, jax_comm, host_comm = _comm._channels(self.comm)
+        rank, size, jax_comm, host_comm = _comm.channels(self.comm)
         return _layout(params, rank, size, what), (jax_comm, host_comm)
 
     def init(self, params: Any) -> ShardedState:

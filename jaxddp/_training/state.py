@@ -13,7 +13,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._collectives.api import allreduce, is_key_dtype, restore_kind
+from .._collectives.api import allreduce, restore_kind
+from .._collectives.dtypes import is_key_dtype
 
 __all__ = ["average_state"]
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jaxddp
-from jaxddp._collectives.buckets import MAX_COUNT
+from jaxddp._collectives.wire import MAX_COUNT
 
 rank = jaxddp.rank()
 size = jaxddp.world_size()

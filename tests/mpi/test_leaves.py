@@ -230,7 +230,7 @@ def test_masked_mean_of_half_precision_accumulates_in_float32(dtype, jit):
 @JIT
 def test_buffers_over_the_count_limit_travel_in_chunks(monkeypatch, jit):
     """The chunking of leaves past 2**31 elements, with a limit of 7 elements per call."""
-    monkeypatch.setattr(jaxddp._collectives.buckets, "MAX_COUNT", 7)
+    monkeypatch.setattr(jaxddp._collectives.wire, "MAX_COUNT", 7)
     tree = {
         "a": jnp.arange(30, dtype=jnp.int32).reshape(5, 6) * (rank + 1),
         "b": jnp.arange(3.0) + rank,

@@ -1,13 +1,15 @@
 """How a tree of leaves travels through MPI: which leaves share a call, in which dtype.
 
-Pure planning on shapes and dtypes, shared by the compiled path (jax arrays and tracers) and
-the host path (NumPy arrays), so both send exactly the same messages.
+Pure planning on shapes and dtypes, and the one cast of a leaf to and from its wire dtype,
+shared by the compiled path (jax arrays and tracers), the host path (NumPy arrays) and the
+sharded optimizer, so that all send exactly the same messages.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,8 +19,11 @@ __all__ = [
     "MAX_COUNT",
     "MPI_DTYPES",
     "chunks",
+    "from_wire",
+    "fused",
     "plan",
     "split",
+    "to_wire",
     "wire_dtype",
 ]
 
@@ -104,3 +109,61 @@ def chunks(size: int, limit: int | None = None) -> list[tuple[int, int]]:
     """
     limit = MAX_COUNT if limit is None else limit
     return [(start, min(start + limit, size)) for start in range(0, max(size, 1), limit)]
+
+
+def to_wire(x: Any, arithmetic: bool) -> Any:
+    """A leaf (a NumPy or jax array) in the dtype :func:`wire_dtype` says: converted when the
+    collective computes on it (``arithmetic``), else reinterpreted bit for bit."""
+    wire = wire_dtype(x.dtype, arithmetic)
+    if wire == x.dtype:
+        return x
+    if arithmetic:
+        return x.astype(wire)
+    return x.view(wire) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, wire)
+
+
+def from_wire(x: Any, dtype: Any, arithmetic: bool) -> Any:
+    """A leaf that travelled as :func:`to_wire` made it, back in ``dtype``."""
+    if x.dtype == dtype:
+        return x
+    if arithmetic:
+        return x.astype(dtype)
+    return x.view(dtype) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, dtype)
+
+
+def fused(leaves: list[jax.Array], collective: Any, *, arithmetic: bool) -> list[jax.Array]:
+    """Applies an elementwise collective to every leaf, in as few calls as ``plan`` says.
+
+    ``collective`` takes the list of flat buffers and returns them reduced (or moved);
+    ``arithmetic`` says whether it computes on the values (a reduction) or only moves them
+    (a broadcast), which decides how dtypes unknown to MPI travel.
+    """
+    wire = [to_wire(x, arithmetic) for x in leaves]
+    groups = plan(wire)
+    buffers = [
+        wire[g[0]] if len(g) == 1 else jnp.concatenate([wire[i].ravel() for i in g]) for g in groups
+    ]
+    out: list[Any] = list(wire)  # empty leaves stay as they are
+    for group, flat in zip(groups, _chunked(collective, buffers), strict=True):
+        pieces = [flat] if len(group) == 1 else split(flat, [wire[i] for i in group])
+        for i, piece in zip(group, pieces, strict=True):
+            out[i] = piece
+    return [from_wire(x, like.dtype, arithmetic) for x, like in zip(out, leaves, strict=True)]
+
+
+def _chunked(collective: Any, buffers: list[jax.Array]) -> list[jax.Array]:
+    """``collective(buffers)``, with each buffer of more than :data:`MAX_COUNT` elements
+    cut into chunks that an MPI call can count, and put back together after."""
+    bounds = [chunks(b.size) for b in buffers]
+    if all(len(b) == 1 for b in bounds):
+        return collective(buffers)
+    pieces = []
+    for b, spans in zip(buffers, bounds, strict=True):
+        flat = b if len(spans) == 1 else b.ravel()
+        pieces.extend([b] if len(spans) == 1 else [flat[i:j] for i, j in spans])
+    done = iter(collective(pieces))
+    out = []
+    for b, spans in zip(buffers, bounds, strict=True):
+        parts = [next(done) for _ in spans]
+        out.append(parts[0] if len(parts) == 1 else jnp.concatenate(parts).reshape(b.shape))
+    return out
