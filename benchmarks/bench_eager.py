@@ -36,7 +36,7 @@ import jaxddp
 from benchmarks.bench_allreduce import interleaved
 from jaxddp._collectives import api as _comm
 from jaxddp._collectives import signature as _signature
-from jaxddp._collectives._jax import primitives as _primitive
+from jaxddp._collectives._jax import path as _path
 
 
 def mpi4py_allreduce(n: int, dtype: type) -> object:
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rank = jaxddp.rank()
-    path = "fast" if _primitive.fast_path() else "ordered"
+    path = "fast" if _path.fast_path() else "ordered"
     metrics = {"loss": jnp.float32(0.5 + rank), "accuracy": jnp.float32(0.25 * rank)}
     values = jax.random.normal(jax.random.key(rank), (256,), jnp.float32)
     mask = jnp.arange(256) < 200 + rank
@@ -134,7 +134,7 @@ def main() -> None:
             "repeats": args.repeats,
             "env": {"jax": jax.__version__},
             "medians_s": medians,
-            "env_path": os.environ.get(_primitive.PATH_VARIABLE, ""),
+            "env_path": os.environ.get(_path.PATH_VARIABLE, ""),
         }
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -50,7 +50,7 @@ from flax import nnx
 
 import jaxddp
 from benchmarks.bench_allreduce import impl_limit, interleaved_samples
-from jaxddp._collectives._jax import primitives as _primitive
+from jaxddp._collectives._jax import path as _path
 
 D_IN, D_OUT = 32, 10
 MODELS = {  # name: (blocks, width)
@@ -198,7 +198,7 @@ def write_result(args: argparse.Namespace, path: str, rows: list[dict]) -> None:
 def main() -> None:
     args, (x, y) = parse_args(__doc__ or "")
     rank = jaxddp.rank()
-    path = "fast" if _primitive.fast_path() else "ordered"
+    path = "fast" if _path.fast_path() else "ordered"
     rows = []
     for name in args.models.split(";"):
         blocks, width = MODELS[name]

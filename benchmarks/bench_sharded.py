@@ -37,7 +37,7 @@ from benchmarks.bench_nnx_step import (
     parse_args,
     write_result,
 )
-from jaxddp._collectives._jax import primitives as _primitive
+from jaxddp._collectives._jax import path as _path
 
 
 def _state_bytes(optimizer: nnx.Optimizer) -> int:
@@ -87,7 +87,7 @@ def measure(blocks: int, width: int, batch: tuple, warmup: int, repeats: int) ->
 def main() -> None:
     args, (x, y) = parse_args(__doc__ or "")
     rank = jaxddp.rank()
-    path = "fast" if _primitive.fast_path() else "ordered"
+    path = "fast" if _path.fast_path() else "ordered"
     rows = []
     for name in args.models.split(";"):
         blocks, width = MODELS[name]

@@ -26,7 +26,7 @@ from typing import Any
 
 from . import _native
 from ._base import settings as _settings
-from ._collectives._jax import primitives as _primitive
+from ._collectives._jax import path as _path
 from ._collectives._jax.compat import MPI4JAX_CPU_BRIDGE
 from ._runtime import launcher as _launcher
 from ._runtime import world as _world
@@ -181,7 +181,7 @@ def _common_facts() -> Facts:
         except metadata.PackageNotFoundError:
             continue
     libmpi = _launcher.loaded_libmpi()
-    fast, why = _primitive.path_reason()
+    fast, why = _path.path_reason()
     return Facts(
         versions=versions,
         library=library,

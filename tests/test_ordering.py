@@ -20,7 +20,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from jaxddp._collectives._jax import primitives as _primitive
+from jaxddp._collectives._jax import path as _path
 from tests.harness import launch
 
 SCRIPTS = Path(__file__).with_name("scripts")
@@ -92,8 +92,8 @@ def test_the_check_sees_two_collectives_that_need_not_wait_for_each_other():
 
 def test_this_jaxlib_takes_the_fast_path():
     assert jax.default_backend() == "cpu"
-    assert _primitive.fast_path(), (
-        f"jax {jax.__version__}: {_primitive.path_reason()[1]}, so every collective "
+    assert _path.fast_path(), (
+        f"jax {jax.__version__}: {_path.path_reason()[1]}, so every collective "
         "takes the ordered-effect path. Check the ordering tests (tests/test_ordering.py, "
         "tests/mpi/test_ordering.py) against it, then add it to jaxddp._collectives._jax.compat.VERIFIED."
     )

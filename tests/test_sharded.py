@@ -12,7 +12,7 @@ from flax import nnx
 
 import jaxddp
 from jaxddp._collectives import api as _comm
-from jaxddp._collectives._jax import primitives as _primitive
+from jaxddp._collectives._jax import ops as _ops
 from jaxddp._training.sharded import _layout
 
 PARAMS = {
@@ -106,8 +106,8 @@ def test_the_primitives_move_data_at_one_rank_inside_jit():
     x = jnp.arange(6.0, dtype=jnp.float32).reshape(1, 6)
     gathered, moved = jax.jit(
         lambda x: (
-            _primitive.allgather_many([x[0]], comm)[0],
-            _primitive.alltoall_many([x], comm)[0],
+            _ops.allgather_many([x[0]], comm)[0],
+            _ops.alltoall_many([x], comm)[0],
         )
     )(x)
     assert gathered.shape == (1, 6)
@@ -115,7 +115,7 @@ def test_the_primitives_move_data_at_one_rank_inside_jit():
     np.testing.assert_array_equal(gathered, x)
     np.testing.assert_array_equal(moved, x)
     with pytest.raises(ValueError, match=r"shape \(1, \.\.\.\)"):
-        _primitive.alltoall_many([jnp.ones((2, 3))], comm)
+        _ops.alltoall_many([jnp.ones((2, 3))], comm)
 
 
 def test_refusals_name_the_operation_and_the_fix():

@@ -30,7 +30,7 @@ from .._runtime.world import (
 from . import dtypes as _dtypes
 from . import host as _host
 from . import signature as _signature
-from ._jax import primitives as _primitive
+from ._jax import ops
 from .checks import check_op, check_reducible, check_root, is_number_or_array
 from .dtypes import is_key_dtype
 from .wire import fused
@@ -177,7 +177,7 @@ def reduce_all(
     elif size > 1:
 
         def reduce(buffers: list[jax.Array]) -> list[jax.Array]:
-            out = _primitive.allreduce_many(buffers, mpi_op, jax_comm)
+            out = ops.allreduce_many(buffers, mpi_op, jax_comm)
             if op != "mean":
                 return out
             # one division per buffer, before it is cut back into leaves
@@ -315,7 +315,7 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
         tree,
         root,
         comm,
-        lambda bs, c: _primitive.bcast_many(bs, root, c),
+        lambda bs, c: ops.bcast_many(bs, root, c),
         lambda xs, c: _host.broadcast(xs, root, c),
         arithmetic=False,
     )
@@ -340,7 +340,7 @@ def reduce(tree: Any, op: str, root: int = 0, *, comm: Any = None) -> Any:
         tree,
         root,
         comm,
-        lambda bs, c: _primitive.reduce_many(bs, mpi_op, root, c),
+        lambda bs, c: ops.reduce_many(bs, mpi_op, root, c),
         lambda xs, c: _host.reduce(xs, mpi_op, root, c),
         arithmetic=True,
         op=op,

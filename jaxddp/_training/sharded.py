@@ -24,7 +24,7 @@ from jax.core import Tracer
 
 from .._collectives import api as _comm
 from .._collectives import signature as _signature
-from .._collectives._jax import primitives as _primitive
+from .._collectives._jax import ops
 from .._collectives.wire import chunks, from_wire, to_wire, wire_dtype
 from .gradients import check_flag, filled
 from .sharded_check import check_elementwise
@@ -143,7 +143,7 @@ def _alltoall(rows: list[Any], comm: tuple[Any, Any]) -> list[Any]:
         else:
 
             def move(b: Any) -> Any:
-                return _primitive.alltoall_many([b], jax_comm)[0]
+                return ops.alltoall_many([b], jax_comm)[0]
 
         out.append(from_wire(_columns(to_wire(x, arithmetic=False), move), dtype, arithmetic=False))
     return out
@@ -169,7 +169,7 @@ def _allgather(slices: list[Any], comm: tuple[Any, Any], size: int) -> list[Any]
         else:
 
             def move(b: Any) -> Any:
-                return _primitive.allgather_many([b[0]], jax_comm)[0]
+                return ops.allgather_many([b[0]], jax_comm)[0]
 
         rows = _columns(to_wire(x, arithmetic=False)[None], move)
         out.append(from_wire(rows, dtype, arithmetic=False).reshape(-1))

@@ -17,7 +17,7 @@ import pytest
 from mpi4py import MPI
 
 import jaxddp
-from jaxddp._collectives._jax import primitives as _primitive
+from jaxddp._collectives._jax import path as _path
 
 MPI_SIZES = (2, 4)
 MPI_VARIANTS = {"ordered": {"JAXDDP_TEST_COLLECTIVE_PATH": "ordered"}}
@@ -25,7 +25,7 @@ MPI_VARIANTS = {"ordered": {"JAXDDP_TEST_COLLECTIVE_PATH": "ordered"}}
 rank = jaxddp.rank()
 size = jaxddp.world_size()
 ranks = np.arange(size)
-FAST = _primitive.fast_path()
+FAST = _path.fast_path()
 
 
 def _forms(fun, *args):

@@ -27,7 +27,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import jaxddp
     from jaxddp._collectives._jax import compat as _jax_compat
-    from jaxddp._collectives._jax import primitives as _primitive
+    from jaxddp._collectives._jax import path as _path
 
 unverified = [w for w in caught if issubclass(w.category, _jax_compat.UnverifiedJaxWarning)]
 assert len(unverified) == 1, [str(w.message) for w in caught]
@@ -35,7 +35,7 @@ message = str(unverified[0].message)
 assert f"jax {FAKE}" in message, message
 assert "ordered path" in message, message
 assert "microseconds per argument" in message, message
-fast, why = _primitive.path_reason()
+fast, why = _path.path_reason()
 assert not fast, why
 assert FAKE in why, why
 

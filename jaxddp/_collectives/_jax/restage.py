@@ -6,13 +6,13 @@ first traced on its own holds ``jaxddp_chained`` collectives, chained for its ow
 inside another computation that chain would not be ordered with the caller's collectives.
 jaxddp therefore wraps JAX's staging rule for ``jit``: a cached jaxpr holding collectives at
 its own level is not staged as a call but replayed, equation by equation, into the trace
-that calls it, each collective through :func:`jaxddp._collectives._jax.primitives._stage` as if first traced
+that calls it, each collective through :func:`jaxddp._collectives._jax.chain.stage` as if first traced
 there (chained at the caller's own level, ordered inside control flow), every other
 equation as it was, as ``jax.jit(f, inline=True)`` inlines a function into its caller.
 
 Where the cached jaxpr's chain ended (a ``jaxddp_bridge``) or an equation carries mpi4jax's
 ordered effect (a branch or loop holding collectives, a call kept as a call), the caller's
-chain ends there too (:func:`jaxddp._collectives._jax.primitives.close_chain`), so the caller's collectives
+chain ends there too (:func:`jaxddp._collectives._jax.chain.close_chain`), so the caller's collectives
 and the callee's form one chain. The wrapper is installed the first time a collective is staged on
 the fast path (:func:`install`), so a program that never stages one runs JAX's rule
 untouched.
@@ -27,19 +27,11 @@ from jax.extend.core import Literal, Var
 from jax.extend.core.primitives import create_token_p
 
 from . import compat
+from .chain import close_chain, stage
 from .compat import ordered_effect
+from .forms import NESTED_MESSAGE, bridge_p, chained_p, ordered_p
 
-__all__ = ["NESTED_MESSAGE", "install"]
-
-
-NESTED_MESSAGE = (
-    "jaxddp collectives staged for a jit's own level are being compiled inside a branch or "
-    "loop, where their order against the other collectives cannot be guaranteed. This "
-    "happens with a `lax.cond`, `lax.scan` or loop holding jaxddp collectives outside any "
-    "`jax.jit` (wrap the computation in `jax.jit`), or with a branch or loop body function "
-    "first traced outside any jit and reused inside one (inside jitted code, use a function "
-    "defined there)."
-)
+__all__ = ["install"]
 
 
 @functools.cache
@@ -48,8 +40,6 @@ def install() -> None:
     jax_rule = compat.jit_staging_rule()
 
     def staging_rule(trace: Any, source_info: Any, *args: Any, **params: Any) -> Any:
-        from .primitives import close_chain
-
         closed = params["jaxpr"]
         if _replays(closed.jaxpr):
             return _replay(trace, source_info, closed, args)
@@ -64,21 +54,17 @@ def _replays(jaxpr: Any) -> bool:
     """Whether ``jaxpr`` holds collectives at its own level, besides tangents. The linear
     part JAX splits off a differentiated step, holding tangents only, stays a call:
     transposed as one, its collectives are ordered where they must be."""
-    from .primitives import _bridge_p, _chained_p, _ordered_p
-
     return any(
-        (e.primitive in (_chained_p, _ordered_p) and not e.params["tangent"])
-        or e.primitive is _bridge_p
+        (e.primitive in (chained_p, ordered_p) and not e.params["tangent"])
+        or e.primitive is bridge_p
         for e in jaxpr.eqns
     )
 
 
 def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
     """``closed``'s equations staged into ``trace``, its collectives staged afresh there."""
-    from .primitives import _bridge_p, _chained_p, _ordered_p, close_chain, restage
-
     jaxpr = closed.jaxpr
-    ours = (_chained_p, _ordered_p, _bridge_p)
+    ours = (chained_p, ordered_p, bridge_p)
     # the old chain's tokens: its create_token's and each collective's, read only by ours
     chain = {
         v
@@ -100,15 +86,15 @@ def _replay(trace: Any, source_info: Any, closed: Any, args: Any) -> list[Any]:
         if eqn.primitive not in ours and any(isinstance(v, Var) and v in chain for v in eqn.invars):
             raise NotImplementedError(NESTED_MESSAGE)  # the old chain's token, read elsewhere
         with compat.replay_context(eqn):
-            if eqn.primitive is _bridge_p:  # the old chain ended here: the caller's ends too
+            if eqn.primitive is bridge_p:  # the old chain ended here: the caller's ends too
                 close_chain(trace)
                 outs = []
             elif eqn.primitive in ours:  # a collective, without the old chain's token
-                start = 1 if eqn.primitive is _chained_p else 0
+                start = 1 if eqn.primitive is chained_p else 0
                 ins = [read(v) for v in eqn.invars[start:]]
                 avals = [v.aval for v in eqn.invars[start:]]
-                outs = restage(trace, ins, avals, eqn.params)
-                outs = [None, *outs] if eqn.primitive is _chained_p else outs
+                outs = stage(trace, ins, avals, eqn.params)
+                outs = [None, *outs] if eqn.primitive is chained_p else outs
             else:  # as jax.core.eval_jaxpr binds an equation, in the calling trace
                 if ordered_effect() in eqn.effects:  # a branch or loop holding collectives
                     close_chain(trace)

@@ -1,0 +1,76 @@
+"""The collectives as the rest of jaxddp calls them: lists of flat buffers in, lists out."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from .lowering import Handle
+from .primitives import allgather_p, allreduce_p, alltoall_p, bcast_p, reduce_p
+
+__all__ = ["allgather_many", "allreduce_many", "alltoall_many", "bcast_many", "reduce_many"]
+
+
+def _after(xs: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
+    """``xs``, made to depend on ``outs`` so that no rank's dead-code elimination drops the
+    collective that made ``outs`` (a root's broadcast, a non-root's reduce), even inside a
+    nested ``jit`` whose outputs would otherwise be its forwarded inputs."""
+    return list(jax.lax.optimization_barrier((list(xs), list(outs)))[0])
+
+
+def _register_targets() -> None:
+    """Imports mpi4jax, whose import registers the FFI targets jaxddp's lowerings call."""
+    import mpi4jax  # noqa: F401
+
+
+def allreduce_many(xs: Sequence[Any], op: Any, comm: Any) -> list[Any]:
+    """Allreduces each array of ``xs`` (dtypes MPI knows) with the MPI op ``op``."""
+    if not xs:
+        return []
+    _register_targets()
+    return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm))
+
+
+def bcast_many(xs: Sequence[Any], root: int, comm: Any) -> list[Any]:
+    """Gives every rank ``root``'s values of each array of ``xs``."""
+    if not xs:
+        return []
+    _register_targets()
+    is_root = comm.Get_rank() == root
+    out = bcast_p.bind(*xs, root=root, comm=Handle(comm), is_root=is_root)
+    return _after(xs, out) if is_root else out
+
+
+def reduce_many(xs: Sequence[Any], op: Any, root: int, comm: Any) -> list[Any]:
+    """Reduces each array of ``xs`` onto ``root``; the other ranks get their input back."""
+    if not xs:
+        return []
+    _register_targets()
+    is_root = comm.Get_rank() == root
+    out = reduce_p.bind(*xs, op=Handle(op), root=root, comm=Handle(comm), is_root=is_root)
+    return out if is_root else _after(xs, out)
+
+
+def allgather_many(xs: Sequence[Any], comm: Any) -> list[Any]:
+    """Every rank's values of each array of ``xs``, stacked on a new first axis in rank
+    order: ``(size, *x.shape)``."""
+    if not xs:
+        return []
+    _register_targets()
+    return allgather_p.bind(*xs, comm=Handle(comm), size=comm.Get_size())
+
+
+def alltoall_many(xs: Sequence[Any], comm: Any) -> list[Any]:
+    """Each array of ``xs`` has the communicator's size as its first axis; row ``j`` goes
+    to rank ``j``, and row ``i`` of the result came from rank ``i``."""
+    if not xs:
+        return []
+    size = comm.Get_size()
+    for x in xs:
+        if x.ndim == 0 or x.shape[0] != size:
+            msg = f"Expected alltoall buffers of shape ({size}, ...), got {x.shape} instead."
+            raise ValueError(msg)
+    _register_targets()
+    return alltoall_p.bind(*xs, comm=Handle(comm), size=size)

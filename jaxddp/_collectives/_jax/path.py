@@ -1,0 +1,42 @@
+"""Which path jaxddp's collectives take: the fast one (effect-free chained forms, JAX's C++
+dispatch) where its ordering was verified, else the ordered one (mpi4jax's effect)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+
+from . import compat
+from .forms import chained_p
+
+__all__ = ["PATH_VARIABLE", "fast_path", "path_reason"]
+
+# Test-suite switch between the two paths ("fast" or "ordered"); not a user setting.
+PATH_VARIABLE = "JAXDDP_TEST_COLLECTIVE_PATH"
+
+
+@functools.cache
+def path_reason() -> tuple[bool, str]:
+    """Whether jaxddp's collectives take the fast path, and why (decided once)."""
+    forced = os.environ.get(PATH_VARIABLE, "").strip().lower()
+    if forced in ("fast", "ordered"):
+        fast, why = forced == "fast", f"{PATH_VARIABLE}={forced}"
+    elif (reason := compat.unverified_reason() or compat.missing_internals()) is not None:
+        fast, why = False, reason
+    elif jax.default_backend() != "cpu":
+        fast, why = False, f"the {jax.default_backend()} backend (the fast path is CPU's)"
+    elif jax.local_device_count() != 1:
+        fast, why = False, f"{jax.local_device_count()} local devices (the fast path needs one)"
+    else:
+        jax_version, _ = compat.jax_versions()
+        fast, why = True, f"jax {jax_version} on CPU with one local device, verified"
+    if fast:
+        compat.keep_in_dce(chained_p)  # a chained collective is never dead code
+    return fast, why
+
+
+def fast_path() -> bool:
+    """Whether jaxddp's collectives use the effect-free primitives (decided once)."""
+    return path_reason()[0]
