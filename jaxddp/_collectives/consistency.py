@@ -6,7 +6,7 @@ a digest of every rank's tree (paths, shapes, dtypes: never values) and, on a di
 raises :class:`TreeMismatchError` on every rank naming the first differing path.
 
 Every such check (the tree check, :func:`synchronize`, the sampler's checks of its
-arguments and of a loaded state) goes through :func:`gather_with_deadline`: a rank that
+arguments and of a loaded state in :mod:`jaxddp._data.agreement`) goes through :func:`gather_with_deadline`: a rank that
 never arrives makes the others raise TimeoutError within ``JAXDDP_CHECK_TIMEOUT`` seconds
 instead of waiting forever.
 """
@@ -29,9 +29,6 @@ from .signature import explain as _explain
 __all__ = [
     "TreeMismatchError",
     "check_same_tree",
-    "check_sampler_arguments",
-    "check_sampler_pass",
-    "check_sampler_states",
     "describe_tree",
     "gather_with_deadline",
     "synchronize",
@@ -126,154 +123,6 @@ def check_same_tree(
     if all(d == descriptions[0] for d in descriptions):
         return
     raise TreeMismatchError(_explain(descriptions, what))
-
-
-def _gather_or_errors(
-    private: Any, mine: Any, problem: Exception | None, *, what: str, expected: str
-) -> list[Any] | None:
-    """Every rank's ``mine``, or this rank's error text where it raised ``problem``.
-
-    Returns None on a rank that raised (it raises its own error next) and raises ValueError
-    on the others when any rank raised, naming each rank's error.
-    """
-    sent: Any = mine if problem is None else f"{type(problem).__name__}: {problem}"
-    everyone = gather_with_deadline(private, sent, what=what, error=TimeoutError)
-    failed = {r: v for r, v in enumerate(everyone) if isinstance(v, str)}
-    if not failed:
-        return everyone
-    if problem is not None:
-        return None
-    details = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
-    msg = (
-        f"Expected every rank to {expected}, got errors on {len(failed)} of "
-        f"{len(everyone)} ranks instead ({details})."
-    )
-    raise ValueError(msg)
-
-
-def _differences(everyone: list[Any], names: tuple[str, ...]) -> list[str]:
-    """``name (rank 0: value, ...)`` for each field of the ranks' tuples that differs."""
-    differing = []
-    for i, name in enumerate(names):
-        values = [v[i] for v in everyone]
-        if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            differing.append(f"{name} ({per_rank})")
-    return differing
-
-
-def check_sampler_arguments(
-    mine: tuple[int, int, int, bool, bool, int] | None, problem: Exception | None, comm: Any
-) -> None:
-    """Checks once, collectively, that every rank built its sampler from the same arguments.
-
-    ``mine`` is this rank's ``(N, num_replicas, seed, shuffle, drop_last, rank)``, ``None``
-    when its arguments raised ``problem``. Every rank of ``comm`` (the world when ``None``)
-    must call this. Raises ValueError on every rank when a rank's arguments were invalid or
-    differ from the others', and TimeoutError when some rank does not arrive within
-    ``JAXDDP_CHECK_TIMEOUT`` seconds.
-    """
-    private = _world.check_comm(comm)
-    size = private.Get_size()
-    if size == 1:
-        return
-    everyone = _gather_or_errors(
-        private,
-        mine,
-        problem,
-        what="arguments of `DistributedSampler`",
-        expected="build `DistributedSampler` from valid arguments",
-    )
-    if everyone is None:
-        return  # this rank raises its own error
-    names = ("`data` size", "`num_replicas`", "`seed`", "`shuffle`", "`drop_last`")
-    differing = _differences(everyone, names)
-    if differing:
-        msg = (
-            "Expected every rank to pass the same `data` size, `num_replicas`, `seed`, "
-            "`shuffle` and `drop_last` to `DistributedSampler`, got different values instead: "
-            f"{'; '.join(differing)}. Pass the same values on every rank; otherwise samples "
-            "are silently duplicated and skipped."
-        )
-        raise ValueError(msg)
-    ranks = [v[5] for v in everyone]
-    unread = sorted(set(range(everyone[0][1])) - set(ranks))
-    if unread:
-        per_rank = ", ".join(f"MPI rank {r}: {v}" for r, v in enumerate(ranks))
-        msg = (
-            f"Expected the ranks to take every shard of `num_replicas={everyone[0][1]}`, got "
-            f"`rank` values that leave shards {unread} to no rank instead ({per_rank}): those "
-            "samples would silently never be seen. Leave `num_replicas` and `rank` to their "
-            "defaults, or pass both explicitly."
-        )
-        raise ValueError(msg)
-
-
-def check_sampler_states(
-    mine: tuple[int, int] | None, problem: Exception | None, comm: Any
-) -> None:
-    """Checks, collectively, that every rank loaded the same state into its sampler.
-
-    ``mine`` is this rank's loaded ``(epoch, position)``, ``None`` when its state raised
-    ``problem``. Every rank of ``comm`` (the world when ``None``) must call this. Raises
-    ValueError on every rank when a rank's state was invalid or differs from the others',
-    and TimeoutError when some rank does not arrive within ``JAXDDP_CHECK_TIMEOUT`` seconds.
-    """
-    private = _world.check_comm(comm)
-    if private.Get_size() == 1:
-        return
-    everyone = _gather_or_errors(
-        private,
-        mine,
-        problem,
-        what="states loaded by `DistributedSampler.load_state_dict`",
-        expected="load a valid state into `DistributedSampler`",
-    )
-    if everyone is None:
-        return  # this rank raises its own error
-    differing = _differences(everyone, ("`epoch`", "`position`"))
-    if differing:
-        msg = (
-            "Expected every rank to load the same state into `DistributedSampler`, got "
-            f"different ones instead: {'; '.join(differing)}. Load one saved state on every "
-            "rank (the state is the same on all ranks of the run that saved it: save rank "
-            "0's); ranks at different positions would take different numbers of steps and "
-            "wait for each other forever."
-        )
-        raise ValueError(msg)
-
-
-def check_sampler_pass(mine: tuple[int, int | None, bool], comm: Any) -> None:
-    """Checks, collectively, that every rank starts the same pass over the sampler.
-
-    ``mine`` is this rank's ``(epoch, batch_size, drop_last)``, ``batch_size`` ``None`` for a
-    pass of single indices (iterating over the sampler itself). Called at the start of every
-    pass, so once per epoch: one small allgather. Raises ValueError on every rank when the
-    ranks differ (ranks in different epochs train on different orders; ranks with different
-    batch sizes take different numbers of steps and wait for each other forever), and
-    TimeoutError when some rank does not start its pass within ``JAXDDP_CHECK_TIMEOUT``
-    seconds.
-    """
-    private = _world.check_comm(comm)
-    if private.Get_size() == 1:
-        return
-    everyone = gather_with_deadline(
-        private, mine, what="pass over `DistributedSampler`", error=TimeoutError
-    )
-    differing = _differences(
-        [(e, "iteration" if b is None else b, d) for e, b, d in everyone],
-        ("`epoch`", "`batch_size`", "`drop_last` of `batches`"),
-    )
-    if differing:
-        msg = (
-            "Expected every rank to start the same pass over `DistributedSampler`, got "
-            f"different ones instead: {'; '.join(differing)}. Call `set_epoch` with the same "
-            "epoch and `batches` with the same `batch_size` and `drop_last` on every rank "
-            "(or iterate over the sampler on all of them): ranks in different epochs train on "
-            "different orders, and ranks with different batch sizes take different numbers of "
-            "steps and wait for each other forever."
-        )
-        raise ValueError(msg)
 
 
 def synchronize(tree: Any, root: int = 0, *, comm: Any = None) -> Any:

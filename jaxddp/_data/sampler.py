@@ -21,6 +21,7 @@ from typing import Any
 
 from .._base import progress as _progress
 from . import shards as _shards
+from .passes import BatchPass
 from .shards import IndexArray, MaskArray
 from .shards import boolean as _boolean
 from .shards import integer as _integer
@@ -30,50 +31,6 @@ __all__ = ["BatchPass", "DistributedSampler"]
 # Entries past its end that a rank's cached shard holds at least: the fill of a short last
 # batch, so that iterating over batches of up to this size allocates nothing of size N.
 _REACH = 1024
-
-
-class BatchPass:
-    """One pass of :meth:`DistributedSampler.batches`, for the loaders built on it.
-
-    ``count`` batches of ``batch_size`` entries of this rank's padded order, from entry
-    ``start`` on; :meth:`batch` reads one (pure: a worker process may hold a pass's arrays),
-    :meth:`hand_out` moves the sampler's position to the end of the first ``k`` of them.
-    """
-
-    __slots__ = ("_sampler", "batch_size", "count", "epoch", "indices", "mask", "start")
-
-    def __init__(
-        self,
-        sampler: DistributedSampler,
-        indices: IndexArray,
-        mask: MaskArray,
-        *,
-        start: int,
-        batch_size: int,
-        count: int,
-    ) -> None:
-        self._sampler = sampler
-        self.epoch = sampler.epoch
-        self.indices, self.mask = indices, mask  # the shard and its fill, read-only
-        self.start, self.batch_size, self.count = start, batch_size, count
-
-    def entries(self) -> tuple[IndexArray, MaskArray]:
-        """The pass's ``count * batch_size`` indices and mask, batch after batch."""
-        end = self.start + self.count * self.batch_size
-        return self.indices[self.start : end].copy(), self.mask[self.start : end].copy()
-
-    def batch(self, k: int) -> tuple[IndexArray, MaskArray]:
-        begin = self.start + k * self.batch_size
-        end = begin + self.batch_size
-        return self.indices[begin:end].copy(), self.mask[begin:end].copy()
-
-    def hand_out(self, k: int) -> None:
-        """Sets the sampler's position to the end of the pass's first ``k`` batches."""
-        sampler = self._sampler
-        if k >= self.count:  # the last batch ends the epoch, also when drop_last leaves a tail
-            sampler._position = sampler._n
-        else:
-            sampler._position = sampler._handed_out(self.start + k * self.batch_size)
 
 
 class DistributedSampler:
@@ -160,40 +117,15 @@ class DistributedSampler:
         comm: Any = None,
     ) -> None:
         collective = comm is not None or num_replicas is None or rank is None
-        if collective:
-            from .._runtime import world as _world
+        options = {"shuffle": shuffle, "seed": seed, "drop_last": drop_last}
+        if collective:  # every rank checks that the others passed the same
+            from .agreement import agreed_arguments
 
-            _world.init()
-            group = _world.py_comm() if comm is None else comm
-            num_replicas = group.Get_size() if num_replicas is None else num_replicas
-            rank = group.Get_rank() if rank is None else rank
-        # Every rank validates first, and when the world is involved every rank then takes
-        # part in the consistency check even if its own arguments were bad: an error raised
-        # on some ranks only would leave the others waiting in that collective forever.
-        problem: Exception | None = None
-        try:
-            arguments = _shards.arguments(
-                data,
-                num_replicas=num_replicas,
-                rank=rank,
-                shuffle=shuffle,
-                seed=seed,
-                drop_last=drop_last,
-            )
-            self._n, self._num_replicas, self._rank = arguments[:3]
-            self._shuffle, self._seed, self._drop_last = arguments[3:]
-        except (TypeError, ValueError) as exc:
-            problem = exc
-        if collective:
-            from .._collectives.consistency import check_sampler_arguments
-
-            mine = None
-            if problem is None:
-                mine = (self._n, self._num_replicas, self._seed, self._shuffle, self._drop_last)
-                mine += (self._rank,)
-            check_sampler_arguments(mine, problem, comm)
-        if problem is not None:
-            raise problem
+            arguments = agreed_arguments(data, num_replicas, rank, comm=comm, **options)
+        else:
+            arguments = _shards.arguments(data, num_replicas=num_replicas, rank=rank, **options)
+        self._n, self._num_replicas, self._rank = arguments[:3]
+        self._shuffle, self._seed, self._drop_last = arguments[3:]
         self._comm = comm if collective else False  # False: a pure sampler, no checks
         self._s = _shards.per_rank(self._n, self._num_replicas, self._drop_last)
         self._epoch = 0
@@ -287,7 +219,7 @@ class DistributedSampler:
         """A collective sampler checks that every rank starts the same pass (epoch,
         ``batch_size``, ``drop_last``): once per pass, one small allgather."""
         if self._comm is not False:
-            from .._collectives.consistency import check_sampler_pass
+            from .agreement import check_sampler_pass
 
             check_sampler_pass((self._epoch, batch_size, drop_last), self._comm)
 
@@ -374,14 +306,8 @@ class DistributedSampler:
         drop_last = _boolean("drop_last", drop_last)
         self._check_pass(batch_size, drop_last)
         length = _shards.epoch_length(self._n, self._num_replicas, self._drop_last)
-        if drop_last and batch_size * self._num_replicas > length:
-            msg = (
-                f"Expected `batch_size` to be at most {length // self._num_replicas} with "
-                f"`drop_last=True`, so that {self._num_replicas} ranks' batches fit in the "
-                f"{length} samples of an epoch, got {batch_size} instead: every rank would get "
-                "no batch. Pass a smaller `batch_size` or `drop_last=False`."
-            )
-            raise ValueError(msg)
+        if drop_last:
+            _shards.check_batches_fit(batch_size, self._num_replicas, length)
         start = self._start_pass()
         count = self._count(start, batch_size, drop_last)
         indices, mask = self._shard(start + count * batch_size - self._s)
@@ -456,7 +382,7 @@ class DistributedSampler:
             problem = exc
         if self._comm is not False:
             # Every rank takes part even when its own state was bad: see __init__.
-            from .._collectives.consistency import check_sampler_states
+            from .agreement import check_sampler_states
 
             check_sampler_states(loaded, problem, self._comm)
         if problem is not None:

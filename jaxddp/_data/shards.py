@@ -20,6 +20,7 @@ __all__ = [
     "arguments",
     "batch_count",
     "boolean",
+    "check_batches_fit",
     "data_size",
     "epoch_length",
     "integer",
@@ -136,6 +137,18 @@ def arguments(
 def epoch_length(n: int, num_replicas: int, drop_last: bool) -> int:
     """L, the real entries of an epoch's order: N, or ``floor(N / W) * W`` with drop_last."""
     return n // num_replicas * num_replicas if drop_last else n
+
+
+def check_batches_fit(batch_size: int, num_replicas: int, length: int) -> None:
+    """With ``drop_last``: at least one batch of every rank fits in an epoch of ``length``."""
+    if batch_size * num_replicas > length:
+        msg = (
+            f"Expected `batch_size` to be at most {length // num_replicas} with "
+            f"`drop_last=True`, so that {num_replicas} ranks' batches fit in the "
+            f"{length} samples of an epoch, got {batch_size} instead: every rank would get "
+            "no batch. Pass a smaller `batch_size` or `drop_last=False`."
+        )
+        raise ValueError(msg)
 
 
 def per_rank(n: int, num_replicas: int, drop_last: bool) -> int:
