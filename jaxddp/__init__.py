@@ -31,10 +31,10 @@ from ._training.checkpoint import DamagedCheckpointError as DamagedCheckpointErr
 from ._training.gradients import allreduce_gradients as allreduce_gradients
 from ._training.gradients import resolve_unused_parameters as resolve_unused_parameters
 from ._training.metrics import masked_mean as masked_mean
-from ._training.sharded import ShardedOptimizer as ShardedOptimizer
-from ._training.sharded import ShardedState as ShardedState
-from ._training.sharded import shard_optimizer as shard_optimizer
 from ._training.state import average_state as average_state
+from ._training.zero.optimizer import ShardedOptimizer as ShardedOptimizer
+from ._training.zero.optimizer import ShardedState as ShardedState
+from ._training.zero.optimizer import shard_optimizer as shard_optimizer
 
 if TYPE_CHECKING:  # imported on first use (it needs flax): see __getattr__
     from ._training.batchnorm import LinenSyncBatchNorm as LinenSyncBatchNorm

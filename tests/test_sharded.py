@@ -13,7 +13,7 @@ from flax import nnx
 import jaxddp
 from jaxddp._collectives import api as _comm
 from jaxddp._collectives._jax import ops as _ops
-from jaxddp._training.sharded import _layout
+from jaxddp._training.zero.slices import layout_of as _layout
 
 PARAMS = {
     "w": jnp.arange(12.0).reshape(3, 4),

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import optax
 
-from .._collectives._jax import compat as _jax_compat
+from ..._collectives._jax import compat as _jax_compat
 
 __all__ = ["check_elementwise"]
 

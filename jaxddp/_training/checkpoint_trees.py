@@ -1,0 +1,169 @@
+"""What a checkpoint holds and how it is checked: a state as Orbax can store it, the CRC-32
+of every array and their verification, the comparison of a saved tree with the target it is
+restored into, and a restored leaf put back in the target's kind."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._collectives import api as _comm
+from .._collectives.dtypes import is_key_dtype
+
+__all__ = [
+    "METADATA_KEY",
+    "DamagedCheckpointError",
+    "check_matches",
+    "checksums",
+    "restored_like",
+    "to_storable",
+    "verify",
+]
+
+
+METADATA_KEY = "jaxddp"  # in Orbax's custom metadata of a step: {"crc32": {path: crc}}
+
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint whose files cannot be read or whose values fail their checksums."""
+
+
+def _is_key(leaf: Any) -> bool:
+    return is_key_dtype(getattr(leaf, "dtype", None))
+
+
+def _is_empty(leaf: Any) -> bool:
+    return getattr(leaf, "size", None) == 0
+
+
+def _storable_leaf(leaf: Any) -> Any:
+    if _is_key(leaf):
+        leaf = jax.random.key_data(leaf)
+    if isinstance(leaf, np.generic | complex):  # Orbax stores arrays and Python numbers
+        leaf = np.asarray(leaf)
+    if _is_empty(leaf):  # Orbax refuses empty arrays; the target knows the shape
+        return np.zeros((), np.asarray(leaf).dtype)
+    return leaf
+
+
+def to_storable(tree: Any) -> Any:
+    """``tree`` as Orbax can store it: typed PRNG keys as their key data, empty arrays as
+    a scalar placeholder."""
+    return jax.tree_util.tree_map(_storable_leaf, tree)
+
+
+def _describe(leaf: Any) -> tuple[Any, ...]:
+    """(shape, dtype) of an array or of Orbax's metadata of one; a Python number's kind."""
+    if isinstance(leaf, bool | int | float | complex | str):
+        return (type(leaf).__name__,)
+    if _is_key(leaf):
+        return (tuple(np.shape(leaf)), "key")
+    dtype = getattr(leaf, "dtype", None)
+    return (_shape(leaf), str(np.asarray(leaf).dtype if dtype is None else np.dtype(dtype)))
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    return tuple(leaf.shape) if hasattr(leaf, "shape") else np.shape(leaf)
+
+
+def _crc32(leaf: Any) -> int | None:
+    """The CRC-32 of an array leaf's bytes (C order); None for Python numbers."""
+    if isinstance(leaf, bool | int | float | complex | str):
+        return None
+    array = np.ascontiguousarray(np.asarray(leaf))
+    data: Any = array.reshape(-1).view(np.uint8)  # a buffer: zlib reads it without a copy
+    return zlib.crc32(data if array.size else b"")
+
+
+def checksums(storable: Any) -> dict[str, int]:
+    """``{path: crc32}`` for every array leaf of a storable state. zlib releases the GIL
+    while it hashes, so the leaves are hashed on a few threads at once."""
+    leaves = _by_path(storable)
+    workers = min(4, os.cpu_count() or 1, max(1, len(leaves)))
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        crcs = list(pool.map(_crc32, leaves.values()))
+    return {"/".join(path): crc for path, crc in zip(leaves, crcs, strict=True) if crc is not None}
+
+
+def verify(restored: Any, custom: Any, step: int) -> None:
+    """Raises DamagedCheckpointError naming the first array whose bytes fail the checksum
+    saved with it. A checkpoint saved without checksums (by an older jaxddp) passes."""
+    saved = custom.get(METADATA_KEY, {}).get("crc32") if isinstance(custom, dict) else None
+    if not saved:
+        return
+    for path, leaf in _by_path(restored).items():
+        name = "/".join(path)
+        crc = _crc32(leaf)
+        if crc is not None and name in saved and int(saved[name]) != crc:
+            msg = (
+                f"Checkpoint {step} is damaged: the values read for `{_path_text(path)}` fail "
+                f"the checksum saved with them (CRC-32 {crc:08x}, saved {int(saved[name]):08x}); "
+                "its files were changed or corrupted after the save."
+            )
+            raise DamagedCheckpointError(msg)
+
+
+def _key_name(key: Any) -> str:
+    for field in ("key", "idx", "name"):  # DictKey, SequenceKey, GetAttrKey, ...
+        if hasattr(key, field):
+            return str(getattr(key, field))
+    return str(key)
+
+
+def _by_path(tree: Any) -> dict[tuple[str, ...], Any]:
+    """Leaves by their path as names: a dict, a dataclass and Orbax's metadata of either
+    name their entries alike."""
+    tree = getattr(tree, "tree", tree)  # Orbax's TreeMetadata holds the tree
+    return {
+        tuple(map(_key_name, path)): leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _path_text(path: tuple[str, ...]) -> str:
+    return "".join(f"[{p!r}]" for p in path)
+
+
+def check_matches(saved: Any, target: Any, step: int) -> None:
+    """Raises ValueError naming the first entry that the saved tree (restored leaves, or
+    Orbax's metadata of them) and the target do not share, or whose shape or dtype differs
+    (Orbax compares the structures, not always the shapes)."""
+    got, want = _by_path(saved), _by_path(target)
+    for path in sorted(got.keys() ^ want.keys()):
+        has, lacks = ("checkpoint", "target") if path in got else ("target", "checkpoint")
+        msg = (
+            f"Checkpoint {step} does not match the target: the {has} has an entry "
+            f"`{_path_text(path)}` that the {lacks} lacks. It is a checkpoint of another "
+            "state (another model, another optimizer)."
+        )
+        raise ValueError(msg)
+    for path, b in want.items():
+        a = got[path]
+        if _describe(a)[:2] != _describe(b)[:2] and not (
+            isinstance(b, bool | int | float) and _shape(a) == ()
+        ):
+            msg = (
+                f"Checkpoint {step} holds {_describe(a)} at "
+                f"`{_path_text(path)}`, but the target has {_describe(b)} "
+                "there: it is a checkpoint of another state."
+            )
+            raise ValueError(msg)
+
+
+def restored_like(value: Any, target: Any) -> Any:
+    """A restored leaf in the kind of the target's: keys, jax arrays, NumPy, numbers."""
+    if _is_empty(target):
+        return target
+    if _is_key(target):
+        return jax.random.wrap_key_data(jnp.asarray(value), impl=jax.random.key_impl(target))
+    if isinstance(target, np.generic):  # a NumPy number stays one
+        return type(target)(np.asarray(value).item())
+    if isinstance(target, np.ndarray):
+        return np.asarray(value, dtype=target.dtype)
+    return _comm.restore_kind(target, value)  # numbers, jax arrays
