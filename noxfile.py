@@ -30,9 +30,9 @@ nox.options.error_on_external_run = True
 
 ROOT = Path(__file__).parent
 
-# The JAX minors jaxddp is verified on (jaxddp/_collectives/_jax/compat.py: VERIFIED), each with its exact
-# jax/jaxlib pin and the Pythons its wheels exist for, newest first. 0.11 and 0.12 are served
-# only for Python 3.12 and later; 0.10.2 is the newest jax for Python 3.11.
+# The JAX minors jaxddp is verified on (jaxddp/_collectives/_jax/compat.py: VERIFIED), each
+# with its exact jax/jaxlib pin and the Pythons its wheels exist for, newest first. 0.11 and
+# 0.12 are served only for Python 3.12 and later; 0.10.2 is the newest jax for Python 3.11.
 JAX_MATRIX = {
     "0.10": ("0.10.2", ("3.11",)),
     "0.11": ("0.11.2", ("3.12",)),

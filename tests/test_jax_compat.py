@@ -1,9 +1,10 @@
 """The JAX versions jaxddp was verified on, and what it does on any other.
 
-Every JAX and mpi4jax internal jaxddp uses is in one module, ``jaxddp._collectives._jax.compat``. On a JAX
-outside its verified range jaxddp warns once, takes the ordered path (mpi4jax's ordered
-effect) and changes none of JAX's rules; ``tests/scripts/unverified_jax.py`` fakes such a JAX
-on real ranks and checks values, the path and JAX's staging rule.
+Every JAX and mpi4jax internal jaxddp uses is in one module,
+``jaxddp._collectives._jax.compat``. On a JAX outside its verified range jaxddp warns once,
+takes the ordered path (mpi4jax's ordered effect) and changes none of JAX's rules;
+``tests/scripts/unverified_jax.py`` fakes such a JAX on real ranks and checks values, the
+path and JAX's staging rule.
 """
 
 import json
@@ -34,7 +35,8 @@ def test_only_the_compat_module_imports_jax_or_mpi4jax_internals():
 def test_this_jax_is_verified():
     assert _jax_compat.unverified_reason() is None, (
         f"{_jax_compat.unverified_reason()}: check the ordering tests (tests/test_ordering.py, "
-        "tests/mpi/test_ordering.py) on it, then add it to jaxddp._collectives._jax.compat.VERIFIED."
+        "tests/mpi/test_ordering.py) on it, then add it to "
+        "jaxddp._collectives._jax.compat.VERIFIED."
     )
     assert _jax_compat.missing_internals() is None
 

@@ -95,7 +95,8 @@ def test_this_jaxlib_takes_the_fast_path():
     assert _path.fast_path(), (
         f"jax {jax.__version__}: {_path.path_reason()[1]}, so every collective "
         "takes the ordered-effect path. Check the ordering tests (tests/test_ordering.py, "
-        "tests/mpi/test_ordering.py) against it, then add it to jaxddp._collectives._jax.compat.VERIFIED."
+        "tests/mpi/test_ordering.py) against it, then add it to "
+        "jaxddp._collectives._jax.compat.VERIFIED."
     )
 
 

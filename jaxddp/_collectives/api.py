@@ -146,7 +146,7 @@ def reduce_all(
     mpi_op = mpi_op_of(op)
     concrete = not any(isinstance(x, Tracer) for x in leaves)
 
-    def agree(payload: Any = None) -> Any:  # the signature check, once per call
+    def check_signature(payload: Any = None) -> Any:  # once per call
         return _signature.check_call(
             host_comm,
             call,
@@ -161,12 +161,18 @@ def reduce_all(
 
     if concrete:  # the common case first, kept short: a few float metrics
         metrics = _host.metrics(
-            leaves, mpi_op, host_comm, size, mean=op == "mean", ufunc=_UFUNCS[op], agree=agree
+            leaves,
+            mpi_op,
+            host_comm,
+            size,
+            mean=op == "mean",
+            ufunc=_UFUNCS[op],
+            check_signature=check_signature,
         )
         if metrics is not None:
             return jax.tree_util.tree_unflatten(treedef, metrics)
     if size > 1:
-        agree()
+        check_signature()
     check_reducible(tree, leaves, op, "allreduce")
     if concrete:
         leaves = [np.asarray(x) for x in leaves]

@@ -6,9 +6,9 @@ a digest of every rank's tree (paths, shapes, dtypes: never values) and, on a di
 raises :class:`TreeMismatchError` on every rank naming the first differing path.
 
 Every such check (the tree check, :func:`synchronize`, the sampler's checks of its
-arguments and of a loaded state in :mod:`jaxddp._data.agreement`) goes through :func:`gather_with_deadline`: a rank that
-never arrives makes the others raise TimeoutError within ``JAXDDP_CHECK_TIMEOUT`` seconds
-instead of waiting forever.
+arguments and of a loaded state in :mod:`jaxddp._data.agreement`) goes through
+:func:`gather_with_deadline`: a rank that never arrives makes the others raise TimeoutError
+within ``JAXDDP_CHECK_TIMEOUT`` seconds instead of waiting forever.
 """
 
 from __future__ import annotations

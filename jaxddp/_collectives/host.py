@@ -50,7 +50,7 @@ def metrics(
     *,
     mean: bool,
     ufunc: Any,
-    agree: Any,
+    check_signature: Any,
 ) -> list[Any] | None:
     """``allreduce`` of a few concrete float32 or float64 arrays of one dtype (what a
     training loop logs every step), kept short: one buffer, one MPI call, the mean divided
@@ -58,10 +58,10 @@ def metrics(
     for the general path to handle; decided from their dtypes alone, the same on every
     rank whose tree matches, before anything is sent.
 
-    ``agree(buffer)`` is the signature check (:mod:`jaxddp._collectives.signature`): when it returns
-    every rank's buffer as rows, the buffer travelled with it and ``ufunc`` (the NumPy
-    counterpart of the MPI ``op``) reduces them here; when it returns None, the buffer
-    travels in an ``Allreduce``."""
+    ``check_signature(buffer)`` is the signature check (:mod:`jaxddp._collectives.signature`):
+    when it returns every rank's buffer as rows, the buffer travelled with it and ``ufunc``
+    (the NumPy counterpart of the MPI ``op``) reduces them here; when it returns None, the
+    buffer travels in an ``Allreduce``."""
     dtype = getattr(leaves[0], "dtype", None) if leaves else None
     if dtype is None or dtype not in _METRIC_DTYPES:
         return None
@@ -81,7 +81,7 @@ def metrics(
         buffer = np.concatenate([a.ravel() for a in arrays])  # a copy, even of one
         pieces = arrays
     if size > 1:
-        rows = agree(buffer)
+        rows = check_signature(buffer)
         if rows is None:
             comm.Allreduce(in_place(), buffer, op)
         else:

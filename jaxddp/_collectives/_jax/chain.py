@@ -76,8 +76,8 @@ def stage(trace: Any, args: Sequence[Any], avals: Any, params: dict[str, Any]) -
 
 def close_chain(trace: Any) -> None:
     """Ends the chain of the jit that ``trace`` belongs to: a bridge from its last token
-    into mpi4jax's ordered effect (:data:`jaxddp._collectives._jax.forms.bridge_p`), staged at the jit's own level, and
-    every later collective of that jit ordered."""
+    into mpi4jax's ordered effect (:data:`jaxddp._collectives._jax.forms.bridge_p`), staged
+    at the jit's own level, and every later collective of that jit ordered."""
     root, chain = chain_of(trace)
     if chain.switched:
         return

@@ -20,10 +20,10 @@ What differs among them:
   verified that pair (this suite), so it silences that warning where it verified the pair
   (:func:`silence_mpi4jax_version_warning`).
 
-Only the fast path (:func:`jaxddp._collectives._jax.path.fast_path`) uses the internals of JAX's tracing
-and staging, and only on a verified JAX: they are imported when first needed, so a JAX that
-moved one of them still imports jaxddp and takes the ordered path, which uses only the token's
-abstract value and mpi4jax's ordered effect.
+Only the fast path (:func:`jaxddp._collectives._jax.path.fast_path`) uses the internals of
+JAX's tracing and staging, and only on a verified JAX: they are imported when first needed,
+so a JAX that moved one of them still imports jaxddp and takes the ordered path, which uses
+only the token's abstract value and mpi4jax's ordered effect.
 """
 
 from __future__ import annotations

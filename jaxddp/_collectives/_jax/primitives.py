@@ -1,32 +1,6 @@
-"""jaxddp's MPI primitives: no JAX effect where the order is provable, so a jitted step
-keeps JAX's C++ fast dispatch path.
-
-An executable that holds a primitive with a JAX effect (mpi4jax's are ordered effects) is
-dispatched on JAX's Python path, at microseconds per argument and result leaf. jaxddp's
-collectives (:data:`allreduce_p`, :data:`bcast_p`, :data:`reduce_p`, :data:`allgather_p`,
-:data:`alltoall_p`) are what JAX's
-transformations see; where one is staged into a jaxpr (:func:`jaxddp._collectives._jax.chain.stage`) it takes one of two
-forms, both lowered to the FFI targets mpi4jax registers (``mpi_allreduce_ffi``, ...):
-
-* ``jaxddp_chained``, at the jit's own level: no effect. It takes the XLA token of the
-  collective staged before it in the same jit and returns its own, so its custom calls form
-  one chain in XLA:CPU's execution graph (``tests/test_ordering.py`` reads that graph).
-  Across executables, the PjRt CPU client runs a device's executables in dispatch order.
-* ``jaxddp_ordered``, inside control flow and nested jits: mpi4jax's ordered effect, whose
-  token JAX threads through ``cond``, loops and calls. Before the first one, a
-  ``jaxddp_bridge`` at the jit's own level takes the last chained token into that effect
-  token, and every later collective of that jit is ordered too, so the two forms make one
-  chain. The nested trace never holds the chain's token itself, so no jaxpr JAX caches
-  closes over a tracer of another trace.
-
-A jitted function first traced on its own (its collectives chained for its own top level)
-and then called inside another trace is replayed into it (:mod:`jaxddp._collectives._jax.restage`), so that
-its collectives take the form they would have had if first traced there.
-
-Where that ordering has not been established (another platform, a JAX outside
-:data:`jaxddp._collectives._jax.compat.VERIFIED`, several local devices), :func:`fast_path` is False:
-every collective binds the ordered form directly (slower to dispatch, as mpi4jax), and
-nothing of JAX's own rules is changed.
+"""jaxddp's collectives as JAX's transformations see them: no JAX effect where the order
+is provable, so a jitted step keeps JAX's C++ fast dispatch path (the forms they take once
+staged, and why: README.md of this folder), with their jvp, transpose and batching rules.
 """
 
 from __future__ import annotations
@@ -50,7 +24,8 @@ __all__ = ["allgather_p", "allreduce_p", "alltoall_p", "bcast_p", "reduce_p", "t
 
 class Collective(Primitive):
     """A collective as JAX transforms see it (differentiation, vmap); the form it takes in
-    the compiled program is decided where it is staged into a jaxpr (:func:`jaxddp._collectives._jax.chain.stage`)."""
+    the compiled program is decided where it is staged into a jaxpr
+    (:func:`jaxddp._collectives._jax.chain.stage`)."""
 
     multiple_results = True
 

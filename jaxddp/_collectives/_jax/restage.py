@@ -1,21 +1,7 @@
 """A jitted function whose collectives were staged for its own top level, called again
-inside another trace (a jit, a loop body, a branch): its collectives are staged there afresh.
-
-JAX caches a jitted function's jaxpr and reuses it wherever the function is called. One
-first traced on its own holds ``jaxddp_chained`` collectives, chained for its own top level;
-inside another computation that chain would not be ordered with the caller's collectives.
-jaxddp therefore wraps JAX's staging rule for ``jit``: a cached jaxpr holding collectives at
-its own level is not staged as a call but replayed, equation by equation, into the trace
-that calls it, each collective through :func:`jaxddp._collectives._jax.chain.stage` as if first traced
-there (chained at the caller's own level, ordered inside control flow), every other
-equation as it was, as ``jax.jit(f, inline=True)`` inlines a function into its caller.
-
-Where the cached jaxpr's chain ended (a ``jaxddp_bridge``) or an equation carries mpi4jax's
-ordered effect (a branch or loop holding collectives, a call kept as a call), the caller's
-chain ends there too (:func:`jaxddp._collectives._jax.chain.close_chain`), so the caller's collectives
-and the callee's form one chain. The wrapper is installed the first time a collective is staged on
-the fast path (:func:`install`), so a program that never stages one runs JAX's rule
-untouched.
+inside another trace (a jit, a loop body, a branch): its collectives are staged there afresh,
+each through :func:`jaxddp._collectives._jax.chain.stage` as if first traced there (see
+README.md of this folder).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ through.
 The parts, each a pure function of strings: :mod:`.library` (the library string),
 :mod:`.kinds` (one record per launcher), :mod:`.judge` (the verdict), :mod:`.fixes` (what to
 do), :mod:`.report` (the report and its one renderer), :mod:`.checks` (the checks and the
-process-wide guard). Only :mod:`jaxddp._base.mpi` and :mod:`jaxddp._base.settings` are used from outside.
+process-wide guard). Only :mod:`jaxddp._base.mpi` and :mod:`jaxddp._base.settings` are used
+from outside.
 """
 
 from .checks import check_launcher as check_launcher
