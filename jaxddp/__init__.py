@@ -23,6 +23,8 @@ from ._consistency import TreeMismatchError as TreeMismatchError
 from ._consistency import synchronize as synchronize
 from ._gradients import allreduce_gradients as allreduce_gradients
 from ._gradients import resolve_unused_parameters as resolve_unused_parameters
+from ._join import JoinedStream as JoinedStream
+from ._join import join as join
 from ._launcher import LauncherMismatchError as LauncherMismatchError
 from ._launcher import LauncherReport as LauncherReport
 from ._launcher import LauncherWarning as LauncherWarning
@@ -65,6 +67,7 @@ __all__ = [
     "CheckpointManager",
     "DamagedCheckpointError",
     "DistributedSampler",
+    "JoinedStream",
     "LauncherMismatchError",
     "LauncherReport",
     "LauncherWarning",
@@ -80,6 +83,7 @@ __all__ = [
     "broadcast",
     "check_launcher",
     "heartbeat",
+    "join",
     "local_rank",
     "masked_mean",
     "rank",
