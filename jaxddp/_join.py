@@ -202,7 +202,8 @@ class JoinedStream(Iterator[tuple[Any, np.ndarray]]):
         masked: bool | None = None,
     ) -> None:
         if batch_size is not None and (
-            isinstance(batch_size, bool) or not isinstance(batch_size, int | np.integer)
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int | np.integer)
             or batch_size < 1
         ):
             msg = f"Expected `batch_size` to be a positive integer or None, got {batch_size!r}."
@@ -263,7 +264,7 @@ class JoinedStream(Iterator[tuple[Any, np.ndarray]]):
         except StopIteration:
             self._stream_over = True
             return
-        except Exception as exc:  # raised on every rank at this step: see _raise
+        except Exception as exc:  # noqa: BLE001 - raised on every rank at this step: see _raise
             self._problem = exc
             return
         try:
@@ -282,7 +283,8 @@ class JoinedStream(Iterator[tuple[Any, np.ndarray]]):
 
     def _fits(self, batch: _Batch) -> None:
         """Raises a :class:`_StreamError` unless ``batch`` fits what the ranks agreed."""
-        assert self._agreed is not None and self._batch_size is not None
+        assert self._agreed is not None
+        assert self._batch_size is not None
         treedef, kinds = self._agreed
         if batch.treedef != treedef or batch.kinds() != kinds:
             assert self._description is not None
@@ -313,10 +315,7 @@ class JoinedStream(Iterator[tuple[Any, np.ndarray]]):
     def __next__(self) -> tuple[Any, np.ndarray]:
         if self._finished:
             raise StopIteration
-        if not self._started:
-            statuses = self._start()
-        else:
-            statuses = self._wait()
+        statuses = self._start() if not self._started else self._wait()
         if not statuses.any():  # every rank's stream ended: the same step on every rank
             self._finish()
             raise StopIteration
@@ -344,7 +343,8 @@ class JoinedStream(Iterator[tuple[Any, np.ndarray]]):
     def _hand_out(self) -> tuple[Any, np.ndarray]:
         batch = self._next
         B = self._batch_size
-        assert B is not None and self._agreed is not None
+        assert B is not None
+        assert self._agreed is not None
         treedef = self._agreed[0]
         if batch is None:  # this rank's stream ended: a full batch of padding
             assert self._filler is not None
@@ -463,7 +463,8 @@ class JoinedStream(Iterator[tuple[Any, np.ndarray]]):
         every rank (once): what a rank without data yields as padding."""
         payload = None
         if self._rank == root:
-            assert self._next is not None and self._batch_size is not None
+            assert self._next is not None
+            assert self._batch_size is not None
             rows = np.arange(self._batch_size) % self._next.rows if self._next.rows else None
             leaves = [np.asarray(_take(x, rows, self._batch_size)) for x in self._next.leaves]
             payload = jax.tree_util.tree_unflatten(self._next.treedef, leaves)
@@ -593,10 +594,7 @@ class JoinedStream(Iterator[tuple[Any, np.ndarray]]):
                 raise ValueError(msg) from None
 
     def __repr__(self) -> str:
-        return (
-            f"jaxddp.join({self._source!r}, batch_size={self._batch_size}) "
-            f"at step {self._steps}"
-        )
+        return f"jaxddp.join({self._source!r}, batch_size={self._batch_size}) at step {self._steps}"
 
 
 _KINDS: dict[str, type[Exception]] = {

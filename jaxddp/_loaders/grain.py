@@ -267,7 +267,6 @@ def shard_options(*, drop_remainder: bool = False, comm: Any = None) -> grain.sh
     )
 
 
-
 def _refuse_jax_process_sharding(original: Any) -> Any:
     @functools.wraps(original)
     def init(self: Any, *args: Any, **kwargs: Any) -> None:

@@ -62,7 +62,9 @@ STEPS = {e: max(len(lengths(r, e)) for r in range(size)) for e in (False, True)}
 
 @pytest.mark.parametrize("empty_last", [False, True], ids=["all-read", "empty"])
 def test_every_rank_takes_the_same_steps_with_its_own_samples(empty_last):
-    seen = [(batch["id"].copy(), mask.copy()) for batch, mask in jaxddp.join(stream(rank, empty_last))]
+    seen = [
+        (batch["id"].copy(), mask.copy()) for batch, mask in jaxddp.join(stream(rank, empty_last))
+    ]
     shapes = {ids.shape for ids, _ in seen}
     real = [ids[mask].tolist() for ids, mask in seen]
     steps = WORLD.allgather(len(seen))
@@ -146,7 +148,7 @@ def _outcome(batches, **kwargs):
     try:
         for _ in jaxddp.join(batches, **kwargs):
             steps += 1
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any error, gathered from every rank
         error = (type(exc).__name__, str(exc))
     return WORLD.allgather((steps, error))
 
@@ -156,9 +158,7 @@ def test_ranks_whose_batches_differ_get_a_tree_mismatch_error_before_a_step():
 
     def batches():
         for b in rank_batches(rank):
-            if rank == odd:
-                b = {**b, "x": b["x"].astype(np.float64)}
-            yield b
+            yield {**b, "x": b["x"].astype(np.float64)} if rank == odd else b
 
     everyone = _outcome(batches())
     assert {steps for steps, _ in everyone} == {0}  # no step ran on any rank
@@ -229,7 +229,8 @@ def test_a_state_taken_mid_stream_resumes_the_same_steps(stop):
     assert head + tail == whole
     assert again.steps == len(whole)
     assert all(s == states[0] for s in states)  # identical on every rank: rank 0 saves it
-    assert state["steps"] == stop and state["world_size"] == size
+    assert state["steps"] == stop
+    assert state["world_size"] == size
 
 
 def test_a_state_from_another_world_size_is_refused():
@@ -280,7 +281,10 @@ def test_a_torch_iterable_dataset_through_a_dataloader_on_each_rank():
     class Shard(torch.utils.data.IterableDataset):
         def __iter__(self):
             for b in rank_batches(rank, True):
-                yield from ({"x": torch.from_numpy(x), "id": int(i)} for x, i in zip(b["x"], b["id"], strict=True))
+                yield from (
+                    {"x": torch.from_numpy(x), "id": int(i)}
+                    for x, i in zip(b["x"], b["id"], strict=True)
+                )
 
     loader = torch.utils.data.DataLoader(Shard(), batch_size=B)
     seen = [(b["id"][m].tolist(), type(b["x"]).__name__) for b, m in jaxddp.join(loader)]
@@ -310,4 +314,3 @@ def test_the_docs_example_trains_exactly():
     for other in gathered:
         for a, b in zip(gathered[0], other, strict=True):
             np.testing.assert_array_equal(a, b)
-
