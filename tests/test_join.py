@@ -160,3 +160,12 @@ def test_jaxddp_grain_loaders_are_taken_as_masked_pairs():
     assert out == [([0, 1], [True, True]), ([2, 3], [True, True]), ([4, 0], [True, False])]
     options = jaxddp.grain.shard_options(drop_remainder=True)
     assert (options.shard_index, options.shard_count, options.drop_remainder) == (0, 1, True)
+
+
+def test_each_step_counts_as_progress_for_the_stall_inspector():
+    from jaxddp import _progress
+
+    before = _progress.count
+    assert len(list(jaxddp.join(batches(1, 1, 1)))) == 3
+    assert _progress.count - before == 3
+    assert _progress.label == "jaxddp.join"

@@ -204,6 +204,18 @@ def test_a_raising_stream_raises_on_every_rank_at_its_step():
         assert f"Rank {size - 1}'s stream raised OSError: disk gone (at step 3" in text
 
 
+def test_a_loop_left_early_on_every_rank_leaves_the_next_join_working():
+    """Bytes still in flight when every rank breaks out are matched in order: the next
+    join on the same ranks agrees as if nothing had been left."""
+    for k, _ in enumerate(jaxddp.join(stream(rank))):
+        if k == 1:
+            break
+    out = [b["id"][m].tolist() for b, m in jaxddp.join(stream(rank))]
+    steps = WORLD.allgather(len(out))
+    assert steps == [STEPS[False]] * size
+    assert [i for ids in out for i in ids] == [i for b in rank_batches(rank) for i in b["id"]]
+
+
 # ---- state -----------------------------------------------------------------------------------
 
 
