@@ -13,7 +13,8 @@ loss. Two loops over the same batches, steps back to back as training runs them 
   join adds is its first-step agreement, the one byte per rank per step, the checks.
 
 The loops take turns, one pass of each per round; per-step times are a pass's time over its
-steps, and the figure is the median over the rounds of ``join - sampler`` in each round.
+steps, and the figure is the median over the rounds of ``join - sampler`` in each round, in
+wall-clock time and in this process's CPU time (less moved by other work on the machine).
 """
 
 from __future__ import annotations
@@ -98,20 +99,23 @@ def main() -> None:
     params = init(args.blocks, args.width)
     state = [params, tx.init(params)]
 
-    def run(batches) -> float:
-        start = time.perf_counter()
+    cpu: dict[str, list[float]] = {"sampler": [], "join": []}
+
+    def run(batches, name: str) -> float:
+        start, used = time.perf_counter(), time.process_time()
         loss = None
         for x, y, mask in batches:
             state[0], state[1], loss = step(state[0], state[1], x, y, mask)
         jax.block_until_ready(loss)
+        cpu[name].append((time.process_time() - used) / K)
         return (time.perf_counter() - start) / K
 
     def sampler_loop() -> float:
-        return run((X[i], Y[i], m) for i, m in sampler.batches(B))
+        return run(((X[i], Y[i], m) for i, m in sampler.batches(B)), "sampler")
 
     def join_loop() -> float:
         stream = ({"x": X[i], "y": Y[i]} for i, _ in sampler.batches(B))
-        return run((b["x"], b["y"], m) for b, m in jaxddp.join(stream))
+        return run(((b["x"], b["y"], m) for b, m in jaxddp.join(stream)), "join")
 
     loops = {"sampler": sampler_loop, "join": join_loop}
     for loop in loops.values():  # compile, warm up
@@ -125,6 +129,12 @@ def main() -> None:
     paired = statistics.median(
         j - s for j, s in zip(samples["join"], samples["sampler"], strict=True)
     )
+    # CPU seconds of this process (all its threads) per step: what join makes a rank do,
+    # less moved by other processes on the machine than the wall clock
+    cpu_paired = statistics.median(
+        j - s
+        for j, s in zip(cpu["join"][-args.rounds :], cpu["sampler"][-args.rounds :], strict=True)
+    )
     leaves = len(jax.tree.leaves(params))
     row = {
         "ranks": size,
@@ -137,12 +147,15 @@ def main() -> None:
         "join_step_s": medians["join"],
         "join_adds_s": paired,
         "join_adds_share": paired / medians["sampler"],
+        "sampler_cpu_s": statistics.median(cpu["sampler"][-args.rounds :]),
+        "join_adds_cpu_s": cpu_paired,
     }
     if rank == 0:
         print(
             f"{size} ranks, {leaves} leaves: step over the sampler "
             f"{medians['sampler'] * 1e3:.3f} ms, over join {medians['join'] * 1e3:.3f} ms; "
-            f"join adds {paired * 1e6:.1f} us a step ({100 * paired / medians['sampler']:.2f}%)",
+            f"join adds {paired * 1e6:.1f} us a step ({100 * paired / medians['sampler']:.2f}%), "
+            f"{cpu_paired * 1e6:.1f} CPU-us",
             flush=True,
         )
         if args.out:
