@@ -45,7 +45,9 @@ LABELS = {
 }
 
 
-SECTIONS = ("allreduce", "peers", "step", "nnx-step", "eager", "sampler", "import", "checkpoint")
+SECTIONS = (
+    "allreduce", "peers", "step", "nnx-step", "eager", "sampler", "import", "checkpoint", "join",
+)  # fmt: skip
 PEERS = frozenset({"jax_gloo", "jax_gloo_flat", "torch_gloo"})
 PATHS = ("fast", "ordered")  # values of JAXDDP_TEST_COLLECTIVE_PATH
 TARGET_SYNC_IN_LIMITS = 3.0  # issue #11: at 2 ranks a step's sync costs at most 3x the limit
@@ -168,6 +170,8 @@ def markdown(results: dict) -> str:
         parts += eager_markdown(results["eager"])
     if results.get("checkpoint"):
         parts += checkpoint_markdown(results["checkpoint"])
+    if results.get("join"):
+        parts += join_markdown(results["join"])
     for step in results.get("step", []):
         parts += [
             f"### Train step, {step['ranks']} ranks",
@@ -376,6 +380,38 @@ def checkpoint_markdown(parts: list[dict]) -> list[str]:
     return [*lines, ""]
 
 
+JOIN_TARGET_SHARE, JOIN_TARGET_S = 0.03, 50e-6  # at most 3% of the step and 50 us a step
+
+
+def join_markdown(parts: list[dict]) -> list[str]:
+    lines = [
+        "### Uneven streams: what `jaxddp.join` adds to a step",
+        "",
+        (
+            "A plain `jax.jit` + optax step of the smallest residual MLP (4 blocks of width "
+            "256: 20 parameter leaves, 1.1 MB of gradients), steps back to back, in a loop "
+            "over `jaxddp.join` of a per-rank stream against the same loop over "
+            "`DistributedSampler.batches`, alternating; medians of the per-round differences, "
+            "in wall time and in CPU time of a rank. Target: at most 3% of the step and at "
+            "most 50 us a step."
+        ),
+        "",
+        (
+            "| ranks | JAX | step over the sampler | join adds (wall) | share | join adds (CPU) "
+            "| within target |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in parts:
+        limit = min(JOIN_TARGET_S, JOIN_TARGET_SHARE * m["sampler_step_s"])
+        lines.append(
+            f"| {m['ranks']} | {m['jax']} | {m['sampler_step_s'] * 1e3:.2f} ms "
+            f"| {m['join_adds_s'] * 1e6:.0f} us | {m['join_adds_share']:.1%} "
+            f"| {m['join_adds_cpu_s'] * 1e6:.0f} us | {'yes' if m['join_adds_s'] <= limit else 'no'} |"
+        )
+    return [*lines, ""]
+
+
 def eager_markdown(parts: list[dict]) -> list[str]:
     lines = [
         "### Collectives outside jit",
@@ -539,6 +575,13 @@ def main() -> None:
             repeats = ["--repeats", "3" if args.quick else "9"]
             mpi_run(np_, "bench_checkpoint.py", [*repeats, "--out", str(part)], 600)
             results["checkpoint"].append(json.loads(part.read_text()))
+    if "join" in sections:
+        results["join"] = []
+        for np_ in (2,) if args.quick else (2, 4):
+            part = out / f"join-np{np_}.json"
+            rounds = ["--rounds", "11" if args.quick else "31"]
+            mpi_run(np_, "bench_join.py", [*rounds, "--out", str(part)], 600)
+            results["join"].append(json.loads(part.read_text()))
     sampler = HERE / "bench_sampler.py"
     if "sampler" in sections and sampler.exists():
         sampler_json = out / "sampler.json"

@@ -20,6 +20,8 @@ from ._collectives.api import reduce as reduce
 from ._collectives.api import world_size as world_size
 from ._collectives.consistency import TreeMismatchError as TreeMismatchError
 from ._collectives.consistency import synchronize as synchronize
+from ._data.join import JoinedStream as JoinedStream
+from ._data.join import join as join
 from ._data.sampler import DistributedSampler as DistributedSampler
 from ._runtime import world as _world
 from ._runtime.launcher import LauncherMismatchError as LauncherMismatchError
@@ -66,6 +68,7 @@ __all__ = [
     "CheckpointManager",
     "DamagedCheckpointError",
     "DistributedSampler",
+    "JoinedStream",
     "LauncherMismatchError",
     "LauncherReport",
     "LauncherWarning",
@@ -81,6 +84,7 @@ __all__ = [
     "broadcast",
     "check_launcher",
     "heartbeat",
+    "join",
     "local_rank",
     "masked_mean",
     "rank",

@@ -1,1 +1,1 @@
-"""The sampler, its arithmetic and the loaders it feeds."""
+"""The sampler, its arithmetic and the loaders it feeds; join, for streams of uneven length."""

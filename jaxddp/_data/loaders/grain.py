@@ -20,7 +20,7 @@ import numpy as np
 from ..._base import progress as _progress
 from ..sampler import BatchPass, DistributedSampler
 
-__all__ = ["ShardedBatches", "batches"]
+__all__ = ["ShardedBatches", "batches", "shard_options"]
 
 
 def batches(
@@ -134,6 +134,8 @@ class ShardedBatches(grain.IterDataset):
     """What :func:`batches` returns: a ``grain.IterDataset`` of ``(batch, mask)`` pairs
     whose passes are the sampler's and whose iterator state is ``sampler.state_dict()``."""
 
+    _jaxddp_masked = True  # jaxddp.join takes its items as (batch, mask) pairs
+
     def __init__(
         self,
         dataset: Any,
@@ -234,6 +236,34 @@ class _ShardedIterator(grain.DatasetIterator):
 
 
 # -- grain's own sharding under MPI --------------------------------------------------------
+
+
+def shard_options(*, drop_remainder: bool = False, comm: Any = None) -> grain.sharding.ShardOptions:
+    """grain's ``ShardOptions`` for this MPI rank: shard ``rank`` of ``world_size``.
+
+    What grain's ``ShardByJaxProcess()`` would be if JAX knew of MPI (without
+    ``jax.distributed`` it says process 0 of 1 on every rank, so every rank would read the
+    whole data set). For the pipelines whose shards each rank reads on its own, as a stream:
+    ``grain.DataLoader(..., shard_options=...)``, or a dataset sliced with it,
+    ``dataset[options.shard_index::options.shard_count]``; the shards may then yield
+    different numbers of batches, which :func:`jaxddp.join` evens out. (For random access,
+    :func:`batches` with a :class:`jaxddp.DistributedSampler` shards by itself.)
+
+    Args:
+      drop_remainder: grain's: whether every shard gets ``floor(N / world_size)`` records.
+      comm: an mpi4py communicator whose ranks share the data; by default the MPI world.
+
+    Example:
+      >>> import jaxddp.grain
+      >>> jaxddp.grain.shard_options()  # on one rank
+      ShardOptions(shard_index=0, shard_count=1, drop_remainder=False)
+    """
+    from ..._runtime.world import init
+
+    group = init().py_comm if comm is None else comm
+    return grain.sharding.ShardOptions(
+        shard_index=group.Get_rank(), shard_count=group.Get_size(), drop_remainder=drop_remainder
+    )
 
 
 def _refuse_jax_process_sharding(original: Any) -> Any:

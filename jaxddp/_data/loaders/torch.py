@@ -164,6 +164,8 @@ class DataLoader(torch.utils.data.DataLoader):
         batch sampler decides (``batch_size``, ``shuffle``, ``sampler``, ``drop_last``).
     """
 
+    _jaxddp_masked = True  # jaxddp.join takes its items as (batch, mask) pairs
+
     def __init__(
         self,
         dataset: Any,
