@@ -14,6 +14,11 @@ in; the modules of the launch that had finished on every rank before it keep the
 ``MPI_GROUP = "name"`` at module level gives a module (with the others of that name) a
 launch of its own: for tests that hold gigabytes per rank.
 
+``MPI_HOSTS = "n0:2,n1:2"`` launches a module's ranks as on that many nodes: MPICH's hydra
+with its fork launcher starts every rank on this machine, but gives each "host" its own
+shared-memory node (``MPI_Comm_split_type(SHARED)``) and joins them over TCP, so the code
+for jobs that span nodes runs here too. Such a launch is a launch of its own (``slow``).
+
 Every launch is a quick one (``tests.harness.launch(quick=True)``: MPICH's waits sleep, XLA
 skips LLVM's optimizations); ``MPI_OPTIMIZED = True`` keeps LLVM's optimizations for the
 launch of a module whose programs run long (the large leaves' reductions of GiB).
@@ -70,6 +75,7 @@ class Plan:
     variants: dict[str, dict[str, str]]
     group: str = ""
     optimized: bool = False
+    hosts: str = ""  # MPI_HOSTS: simulated nodes, as hydra's -hosts takes them
 
 
 def _module_plan(path: Path) -> Plan:
@@ -93,6 +99,8 @@ def _module_plan(path: Path) -> Plan:
             plan.group = str(ast.literal_eval(node.value))  # type: ignore[attr-defined]
         elif assigns(node, "MPI_OPTIMIZED"):
             plan.optimized = bool(ast.literal_eval(node.value))  # type: ignore[attr-defined]
+        elif assigns(node, "MPI_HOSTS"):
+            plan.hosts = str(ast.literal_eval(node.value))  # type: ignore[attr-defined]
         elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith(
             "test"
         ):
@@ -162,8 +170,11 @@ class MPIRun:
     """One launch, at one world size and environment, of every module that shares it;
     runs at most once."""
 
-    def __init__(self, np: int, env: dict[str, str], rootdir: Path, name: str) -> None:
+    def __init__(
+        self, np: int, env: dict[str, str], rootdir: Path, name: str, hosts: str = ""
+    ) -> None:
         self.np, self.env, self.rootdir = np, env, rootdir
+        self.hosts = hosts  # MPI_HOSTS: the ranks on simulated nodes
         self.name = name  # e.g. "mpi np=4-ordered"
         self.paths: list[Path] = []  # every module collected into this launch
         self.ran: list[Path] = []  # the modules it launched
@@ -210,6 +221,7 @@ class MPIRun:
                 # sleep and unoptimized code halve a launch on 2 cores (docs/testing.md)
                 quick=True,
                 optimized=any(plan.optimized for plan in plans),
+                launcher_args=("-launcher", "fork", "-hosts", self.hosts) if self.hosts else (),
             )
             for log in sorted(directory.glob("rank-*.log")):
                 rank = log.stem[len("rank-") :]
@@ -352,13 +364,15 @@ class MPIModule(pytest.File):
         rootdir = self.path.parents[2]
         for np in plan.sizes:
             for variant, env in plan.variants.items():
-                key = (np, plan.group, tuple(sorted(env.items())), rootdir)
+                key = (np, plan.group, tuple(sorted(env.items())), plan.hosts, rootdir)
                 mpi_run = runs.get(key)
                 # the launch's tag ends every test id of it: "[np=4]", "[np=2-ordered]",
-                # "[np=2-large-leaves]" (tests/conftest.py's xdist scheduling reads it)
-                tag = f"np={np}" + "".join(f"-{x}" for x in (variant, plan.group) if x)
+                # "[np=2-large-leaves]", "[np=4-nodes=2]" (tests/conftest.py's xdist
+                # scheduling reads it)
+                nodes = f"nodes={len(plan.hosts.split(','))}" if plan.hosts else ""
+                tag = f"np={np}" + "".join(f"-{x}" for x in (variant, plan.group, nodes) if x)
                 if mpi_run is None:
-                    mpi_run = runs[key] = MPIRun(np, env, rootdir, f"mpi {tag}")
+                    mpi_run = runs[key] = MPIRun(np, env, rootdir, f"mpi {tag}", plan.hosts)
                 if self.path not in mpi_run.paths:
                     mpi_run.paths.append(self.path)
                 items = [
@@ -377,7 +391,7 @@ class MPIModule(pytest.File):
                     ),
                 ]
                 for item in items:
-                    if np != FAST_SIZE or variant or plan.group:
+                    if np != FAST_SIZE or variant or plan.group or plan.hosts:
                         item.add_marker(pytest.mark.slow)
                     item.add_marker(pytest.mark.mpi)
                     yield item

@@ -43,11 +43,23 @@ def line_of(marker: str, script: Path = STALL) -> int:
     raise AssertionError(marker)
 
 
-def run(mode: str, np: int, script: Path = STALL, compile_cache: bool = True):
+def run(
+    mode: str,
+    np: int,
+    script: Path = STALL,
+    compile_cache: bool = True,
+    launcher_args: tuple[str, ...] = (),
+):
     env = dict(os.environ, **ENV)
     quick = np in SLEEPING_WAITS_AT
     result = launch(
-        [str(script), mode], np, timeout=45, env=env, compile_cache=compile_cache, quick=quick
+        [str(script), mode],
+        np,
+        timeout=45,
+        env=env,
+        compile_cache=compile_cache,
+        quick=quick,
+        launcher_args=launcher_args,
     )
     ended = time.time()
     assert not result.timed_out, result.report()
@@ -85,6 +97,18 @@ def test_a_rank_asleep_in_its_data_loading_is_named_with_its_line(np):
     assert f"rank {last}: BEHIND: not in jaxddp" in report
     assert f"at tests/scripts/stall.py:{line_of('sleep')} in load_batch" in rank_lines(report, last)
     for r in range(last):
+        assert "waiting in the compiled function `step`" in rank_lines(report, r), report
+    assert "aborting every rank with MPI_Abort" in report
+
+
+def test_a_rank_asleep_is_named_across_two_nodes():
+    """2 nodes x 2 ranks (MPICH's hydra simulates them here, TCP between them): the report
+    travels between nodes as within one."""
+    result = run("sleep", 4, launcher_args=("-launcher", "fork", "-hosts", "n0:2,n1:2"))
+    report = report_of(result)
+    assert behind(report) == "3", report
+    assert f"at tests/scripts/stall.py:{line_of('sleep')} in load_batch" in rank_lines(report, 3)
+    for r in range(3):
         assert "waiting in the compiled function `step`" in rank_lines(report, r), report
     assert "aborting every rank with MPI_Abort" in report
 
