@@ -37,6 +37,15 @@ def test_an_explicit_batch_size_pads_every_batch_and_an_empty_batch_is_all_paddi
     assert joined.steps == 3
 
 
+def test_empty_first_batches_need_a_batch_size():
+    with pytest.raises(ValueError, match="Pass `batch_size`"):
+        next(jaxddp.join(batches(0, 2)))
+    assert [m.tolist() for _, m in jaxddp.join(batches(0, 2), batch_size=2)] == [
+        [False, False],
+        [True, True],
+    ]
+
+
 def test_a_batch_larger_than_the_first_is_an_error_naming_its_size():
     joined = jaxddp.join(batches(4, 6))
     next(joined)

@@ -295,6 +295,13 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
             return  # nothing to yield on any rank
         if self._batch_size is None:
             self._batch_size = max(everyone[r][1] for r in holders)
+            if self._batch_size == 0:
+                msg = (
+                    "Expected a first batch with at least one row on some rank, got empty "
+                    "first batches on every rank instead: `jaxddp.join` takes the batch size "
+                    "from them. Pass `batch_size`."
+                )
+                raise ValueError(msg)
         for r in holders:
             if everyone[r][1] > self._batch_size:
                 raise ValueError(self._too_large(r, everyone[r][1]))
