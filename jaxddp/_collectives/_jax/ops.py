@@ -7,8 +7,8 @@ from typing import Any
 
 import jax
 
-from .lowering import Handle
 from .primitives import allgather_p, allreduce_p, alltoall_p, bcast_p, reduce_p
+from .records import Handle
 
 __all__ = ["allgather_many", "allreduce_many", "alltoall_many", "bcast_many", "reduce_many"]
 
