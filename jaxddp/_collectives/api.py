@@ -27,6 +27,7 @@ from .._runtime.world import (
     rank,
     world_size,
 )
+from .._types import Communicator, PyTree, ReduceOp
 from . import dtypes as _dtypes
 from . import host as _host
 from . import signature as _signature
@@ -63,7 +64,7 @@ def mpi_op_of(op: str) -> Any:
     return {"sum": MPI.SUM, "mean": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
 
 
-def channels(comm: Any) -> tuple[int, int, Any, Any]:
+def channels(comm: Communicator | None) -> tuple[int, int, Any, Any]:
     """(rank, size, communicator for compiled code, communicator for host calls).
 
     jaxddp never communicates on a user's communicator itself, only on private duplicates
@@ -82,7 +83,7 @@ def is_concrete(x: Any) -> bool:
     return not isinstance(x, Tracer)
 
 
-def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
+def allreduce(tree: PyTree, op: ReduceOp = "mean", *, comm: Communicator | None = None) -> Any:
     """Reduces every leaf of a pytree across all ranks; usable inside and outside ``jax.jit``.
 
     Small leaves of one dtype travel together in a few flat buffers; large leaves travel
@@ -130,10 +131,10 @@ def allreduce(tree: Any, op: str = "mean", *, comm: Any = None) -> Any:
 
 
 def reduce_all(
-    tree: Any,
-    op: str,
+    tree: PyTree,
+    op: ReduceOp,
     *,
-    comm: Any = None,
+    comm: Communicator | None = None,
     check: bool | None = None,
     what: str = "tree passed to `allreduce`",
     call: str = "allreduce",
@@ -224,14 +225,14 @@ def restore_kind(old: Any, new: Any) -> Any:
 
 
 def _rooted(
-    tree: Any,
+    tree: PyTree,
     root: int,
-    comm: Any,
+    comm: Communicator | None,
     traced: Any,
     host: Any,
     *,
     arithmetic: bool,
-    op: str | None = None,
+    op: ReduceOp | None = None,
 ) -> Any:
     """Applies a rooted collective to the array and number leaves; others pass unchanged.
 
@@ -287,7 +288,7 @@ def _rooted(
 
 
 def _finish(
-    x: Any, dtype: Any, *, key: bool, leaf: Any, op: str | None, is_root: bool, size: int
+    x: Any, dtype: Any, *, key: bool, leaf: Any, op: ReduceOp | None, is_root: bool, size: int
 ) -> Any:
     """A leaf after a rooted collective, in the dtype it is given back in."""
     if op is not None and is_root:
@@ -301,7 +302,7 @@ def _finish(
     return x
 
 
-def broadcast(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
+def broadcast(tree: PyTree, root: int = 0, *, comm: Communicator | None = None) -> Any:
     """Gives every rank ``root``'s values of every array and number leaf.
 
     Leaves that are neither arrays nor numbers (strings, callables, ...) are returned
@@ -327,7 +328,7 @@ def broadcast(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
     )
 
 
-def reduce(tree: Any, op: str, root: int = 0, *, comm: Any = None) -> Any:
+def reduce(tree: PyTree, op: ReduceOp, root: int = 0, *, comm: Communicator | None = None) -> Any:
     """Reduces every array and number leaf onto ``root``.
 
     On ``root`` the leaves hold the reduction (``"mean"`` divides the sum by the world

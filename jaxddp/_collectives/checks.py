@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._types import PyTree, ReduceOp
 from .dtypes import is_key_dtype, leaf_dtype
 
 __all__ = ["OPS", "check_op", "check_reducible", "check_root", "is_number_or_array", "leaf_path"]
@@ -34,14 +35,14 @@ def check_root(root: int, size: int) -> int:
     return int(root)
 
 
-def leaf_path(tree: Any, index: int) -> str:
+def leaf_path(tree: PyTree, index: int) -> str:
     """The path (``jax.tree_util.keystr``) of the ``index``-th leaf of ``tree``, for errors."""
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
     return jax.tree_util.keystr(flat[index][0])
 
 
 def check_reducible(
-    tree: Any, leaves: list[Any], op: str, what: str, *, others_pass: bool = False
+    tree: PyTree, leaves: list[Any], op: ReduceOp, what: str, *, others_pass: bool = False
 ) -> None:
     """Raises, naming the leaf, for a leaf that ``op`` cannot reduce: anything but an array
     or a number (a string, a function: TypeError), a typed PRNG key (TypeError), or a

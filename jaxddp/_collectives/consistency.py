@@ -22,6 +22,7 @@ import numpy as np
 
 from .._base import settings as _settings
 from .._runtime import world as _world
+from .._types import Communicator, PyTree
 from . import api as _comm
 from .signature import TreeMismatchError, describe_tree
 from .signature import explain as _explain
@@ -43,7 +44,7 @@ _abandoned: list[Any] = []
 
 
 def _allgather_with_deadline(
-    comm: Any, mine: bytes, timeout: float, what: str, error: type[Exception]
+    comm: Communicator, mine: bytes, timeout: float, what: str, error: type[Exception]
 ) -> list[bytes]:
     """Allgathers a fixed-size byte string; raises ``error`` if the others do not come in time."""
     size = comm.Get_size()
@@ -68,7 +69,7 @@ def _allgather_with_deadline(
 
 
 def gather_with_deadline(
-    comm: Any,
+    comm: Communicator,
     mine: Any,
     *,
     what: str,
@@ -100,7 +101,11 @@ def gather_with_deadline(
 
 
 def check_same_tree(
-    tree: Any, *, what: str = "tree", timeout: float | None = None, comm: Any = None
+    tree: PyTree,
+    *,
+    what: str = "tree",
+    timeout: float | None = None,
+    comm: Communicator | None = None,
 ) -> None:
     """Raises :class:`TreeMismatchError` on every rank unless all ranks' trees match, and
     TimeoutError when some rank does not arrive within ``JAXDDP_CHECK_TIMEOUT`` seconds.
@@ -125,7 +130,7 @@ def check_same_tree(
     raise TreeMismatchError(_explain(descriptions, what))
 
 
-def synchronize(tree: Any, root: int = 0, *, comm: Any = None) -> Any:
+def synchronize(tree: PyTree, root: int = 0, *, comm: Communicator | None = None) -> Any:
     """Checks that every rank holds a tree of the same shape, then gives all ``root``'s values.
 
     Use it once before training, on the parameters and the optimizer state, so every rank

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._types import ReduceOp
 from .wire import wire_dtype
 
 __all__ = [
@@ -38,7 +39,7 @@ def leaf_dtype(x: Any) -> Any:
     return np.dtype(type(x))
 
 
-def widen(x: Any, op: str) -> Any:
+def widen(x: Any, op: ReduceOp) -> Any:
     """A leaf in the dtype it is reduced in: booleans as uint8 for max and min (or and and)
     and as int32 for sum and mean (a count), integers for a mean as :func:`sum_carrier`
     says, bfloat16 and float16 as float32 (so a mean divides before it is rounded back),
@@ -89,7 +90,7 @@ def from_halves(x: Any, dtype: Any) -> Any:
     return high * dtype.type(1 << 16) + low
 
 
-def narrow(x: Any, dtype: Any, op: str) -> Any:
+def narrow(x: Any, dtype: Any, op: ReduceOp) -> Any:
     """A reduced leaf back in the dtype a user gets: that of the leaf, except that a sum of
     booleans is an int32 count and a mean of integers or booleans is float32."""
     if dtype == np.bool_ and op in ("sum", "mean"):

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Communicator
 from .wire import ALONE_BYTES, chunks, from_wire, plan, split, to_wire
 
 __all__ = ["allreduce", "broadcast", "reduce"]
@@ -45,7 +46,7 @@ _METRIC_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64"))
 def metrics(
     leaves: list[Any],
     op: Any,
-    comm: Any,
+    comm: Communicator,
     size: int,
     *,
     mean: bool,
@@ -101,19 +102,19 @@ def in_place() -> Any:
     return MPI.IN_PLACE
 
 
-def allreduce(leaves: list[np.ndarray], op: Any, comm: Any) -> list[np.ndarray]:
+def allreduce(leaves: list[np.ndarray], op: Any, comm: Communicator) -> list[np.ndarray]:
     """Each leaf reduced with the MPI op ``op`` over ``comm``, as NumPy arrays."""
     from mpi4py import MPI
 
     return _apply(leaves, lambda b: comm.Allreduce(MPI.IN_PLACE, b, op), arithmetic=True)
 
 
-def broadcast(leaves: list[Any], root: int, comm: Any) -> list[np.ndarray]:
+def broadcast(leaves: list[Any], root: int, comm: Communicator) -> list[np.ndarray]:
     """``root``'s leaves on every rank, as NumPy arrays."""
     return _apply(leaves, lambda b: comm.Bcast(b, root), arithmetic=False)
 
 
-def reduce(leaves: list[Any], op: Any, root: int, comm: Any) -> list[np.ndarray]:
+def reduce(leaves: list[Any], op: Any, root: int, comm: Communicator) -> list[np.ndarray]:
     """Each leaf reduced onto ``root``; the other ranks get their leaves back as NumPy."""
     from mpi4py import MPI
 

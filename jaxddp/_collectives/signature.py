@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from .._base import settings as _settings
+from .._types import Communicator, PyTree
 
 __all__ = [
     "TreeMismatchError",
@@ -58,7 +59,7 @@ class TreeMismatchError(RuntimeError):
 TIMEOUT_VARIABLE = _settings.CHECK_TIMEOUT.name
 
 
-def describe_tree(tree: Any) -> list[tuple[str, str]]:
+def describe_tree(tree: PyTree) -> list[tuple[str, str]]:
     """``(path, "dtype[shape]")`` for every leaf, in order; ``None`` leaves say ``None``.
 
     Example:
@@ -136,12 +137,12 @@ Signature = tuple[str, Any, Any, list[tuple[str, str]]]
 
 
 def check_call(
-    comm: Any,
+    comm: Communicator,
     call: str,
     *,
     what: str,
     traced: bool,
-    tree: Any,
+    tree: PyTree,
     flat: tuple[list[Any], Any],
     op: Any = None,
     root: Any = None,
@@ -234,7 +235,7 @@ def _blocks(size: int) -> _Blocks:
     return _Blocks(size)
 
 
-def _gather(comm: Any, digest: int, payload: np.ndarray | None) -> tuple[bool, Any]:
+def _gather(comm: Communicator, digest: int, payload: np.ndarray | None) -> tuple[bool, Any]:
     """Outside jit: whether every rank has this digest, and (when ``payload`` travelled)
     every rank's payload as rows of its dtype."""
     size = comm.Get_size()
@@ -257,7 +258,7 @@ def _gather(comm: Any, digest: int, payload: np.ndarray | None) -> tuple[bool, A
 _abandoned: list[Any] = []
 
 
-def _exchange(comm: Any, digest: int, timeout: float, what: str) -> bool:
+def _exchange(comm: Communicator, digest: int, timeout: float, what: str) -> bool:
     """Inside jit (at trace time): whether every rank of ``comm`` has this digest, from one
     ``Iallreduce`` with ``MPI.MAX`` of ``[digest, -digest]``, given up on after ``timeout``
     seconds (TimeoutError)."""
@@ -301,7 +302,7 @@ def mismatch_message(everyone: list[Signature], what: str) -> str:
 
 
 def agree(
-    comm: Any,
+    comm: Communicator,
     key: Any,
     signature: Callable[[], Signature],
     *,

@@ -8,6 +8,7 @@ from typing import Any
 
 from .._collectives.consistency import gather_with_deadline
 from .._runtime import world as _world
+from .._types import Communicator
 from . import shards as _shards
 
 __all__ = [
@@ -19,7 +20,12 @@ __all__ = [
 
 
 def agreed_arguments(
-    data: Any, num_replicas: int | None, rank: int | None, *, comm: Any, **options: Any
+    data: Any,
+    num_replicas: int | None,
+    rank: int | None,
+    *,
+    comm: Communicator | None,
+    **options: Any,
 ) -> tuple[int, int, int, bool, int, bool]:
     """A collective sampler's ``(N, num_replicas, rank, shuffle, seed, drop_last)``, the
     number of ranks and the rank taken from ``comm`` (the world by default) where not
@@ -83,7 +89,9 @@ def _differences(everyone: list[Any], names: tuple[str, ...]) -> list[str]:
 
 
 def check_sampler_arguments(
-    mine: tuple[int, int, int, bool, bool, int] | None, problem: Exception | None, comm: Any
+    mine: tuple[int, int, int, bool, bool, int] | None,
+    problem: Exception | None,
+    comm: Communicator | None,
 ) -> None:
     """Checks once, collectively, that every rank built its sampler from the same arguments.
 
@@ -130,7 +138,7 @@ def check_sampler_arguments(
 
 
 def check_sampler_states(
-    mine: tuple[int, int] | None, problem: Exception | None, comm: Any
+    mine: tuple[int, int] | None, problem: Exception | None, comm: Communicator | None
 ) -> None:
     """Checks, collectively, that every rank loaded the same state into its sampler.
 
@@ -163,7 +171,7 @@ def check_sampler_states(
         raise ValueError(msg)
 
 
-def check_sampler_pass(mine: tuple[int, int | None, bool], comm: Any) -> None:
+def check_sampler_pass(mine: tuple[int, int | None, bool], comm: Communicator | None) -> None:
     """Checks, collectively, that every rank starts the same pass over the sampler.
 
     ``mine`` is this rank's ``(epoch, batch_size, drop_last)``, ``batch_size`` ``None`` for a

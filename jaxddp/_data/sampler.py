@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sized
 from typing import Any
 
 from .._base import progress as _progress
+from .._types import Communicator
 from . import shards as _shards
 from .passes import BatchPass
 from .shards import IndexArray, MaskArray
@@ -114,7 +115,7 @@ class DistributedSampler:
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
-        comm: Any = None,
+        comm: Communicator | None = None,
     ) -> None:
         collective = comm is not None or num_replicas is None or rank is None
         options = {"shuffle": shuffle, "seed": seed, "drop_last": drop_last}
@@ -126,7 +127,7 @@ class DistributedSampler:
             arguments = _shards.arguments(data, num_replicas=num_replicas, rank=rank, **options)
         self._n, self._num_replicas, self._rank = arguments[:3]
         self._shuffle, self._seed, self._drop_last = arguments[3:]
-        self._comm = comm if collective else False  # False: a pure sampler, no checks
+        self._comm, self._collective = comm, collective  # not collective: pure, no checks
         self._s = _shards.per_rank(self._n, self._num_replicas, self._drop_last)
         self._epoch = 0
         self._position = 0  # the epoch's global samples handed out by the latest pass
@@ -218,7 +219,7 @@ class DistributedSampler:
     def _check_pass(self, batch_size: int | None = None, drop_last: bool = False) -> None:
         """A collective sampler checks that every rank starts the same pass (epoch,
         ``batch_size``, ``drop_last``): once per pass, one small allgather."""
-        if self._comm is not False:
+        if self._collective:
             from .agreement import check_sampler_pass
 
             check_sampler_pass((self._epoch, batch_size, drop_last), self._comm)
@@ -380,7 +381,7 @@ class DistributedSampler:
             )
         except (TypeError, ValueError) as exc:
             problem = exc
-        if self._comm is not False:
+        if self._collective:
             # Every rank takes part even when its own state was bad: see __init__.
             from .agreement import check_sampler_states
 

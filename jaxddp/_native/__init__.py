@@ -57,6 +57,7 @@ import jax
 
 from .._base import mpi as _mpi
 from .._base import settings as _settings
+from .._types import Communicator
 
 __all__ = ["TARGET", "agree", "allreduce_target", "share", "shared_calls", "status"]
 
@@ -151,7 +152,7 @@ def _load(MPI: Any) -> str | None:
     return None
 
 
-def agree(MPI: Any, comm: Any) -> None:
+def agree(MPI: Any, comm: Communicator) -> None:
     """Collective over ``comm`` (every rank of the world): picks the handler every rank
     uses, jaxddp's only where every rank loaded it."""
     global _agreed
@@ -199,7 +200,7 @@ _KINDS = {
 _shared: tuple[Any, int] | None = None
 
 
-def share(MPI: Any, comm: Any, one_node: bool) -> None:
+def share(MPI: Any, comm: Communicator, one_node: bool) -> None:
     """Collective over ``comm``: where jaxddp's handler is in use and the ranks of ``comm``
     are all on this node (``one_node``, the same on every rank), 2 to
     :data:`MAX_SHARED_RANKS` of them, gives the handler memory they share (an MPI

@@ -20,6 +20,7 @@ from .. import _native
 from .._base import exit as _exit
 from .._base import mpi as _mpi
 from .._base import settings as _settings
+from .._types import Communicator
 from . import launcher as _launcher
 from . import watchdog as _watchdog
 
@@ -210,7 +211,7 @@ def private_comms(comm: Any = None) -> tuple[Any, Any]:
     return private
 
 
-def check_comm(comm: Any = None) -> Any:
+def check_comm(comm: Communicator | None = None) -> Any:
     """The communicator for jaxddp's own mpi4py traffic (checks) over ``comm``."""
     return private_comms(comm)[0]
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .._collectives.api import allreduce
+from .._types import Communicator
 
 __all__ = ["LinenSyncBatchNorm", "SyncBatchNorm", "global_moments"]
 
@@ -45,7 +46,7 @@ def global_moments(
     *,
     dtype: Any = None,
     fast_variance: bool = True,
-    comm: Any = None,
+    comm: Communicator | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The mean and variance over every rank's entries of ``x`` where ``mask`` is True.
 
@@ -146,7 +147,9 @@ class SyncBatchNorm(nnx.BatchNorm):
       [[-1.0, 0.0, 1.0], [1.0, 0.0, -1.0]]
     """
 
-    def __init__(self, num_features: int, *, comm: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self, num_features: int, *, comm: Communicator | None = None, **kwargs: Any
+    ) -> None:
         _refuse_axis_name(kwargs.get("axis_name"))
         super().__init__(num_features, **kwargs)
         # NNX keeps plain attributes in the graph definition, which must be hashable: the
@@ -216,7 +219,7 @@ class LinenSyncBatchNorm(nn.BatchNorm):
       [[-1.0, 0.0, 1.0], [1.0, 0.0, -1.0]]
     """
 
-    comm: Any = None
+    comm: Communicator | None = None
 
     @nn.compact
     def __call__(  # type: ignore[override]

@@ -24,6 +24,7 @@ import numpy as np
 from .._collectives import api as _comm
 from .._collectives import consistency as _consistency
 from .._runtime import world as _world
+from .._types import Communicator
 from .checkpoint_trees import (
     METADATA_KEY,
     DamagedCheckpointError,
@@ -77,7 +78,7 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = None,
-                 comm: Any = None) -> None:  # fmt: skip
+                 comm: Communicator | None = None) -> None:  # fmt: skip
         if max_to_keep is not None and (
             isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
         ):

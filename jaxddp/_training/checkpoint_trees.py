@@ -15,6 +15,7 @@ import numpy as np
 
 from .._collectives import api as _comm
 from .._collectives.dtypes import is_key_dtype
+from .._types import PyTree
 
 __all__ = [
     "METADATA_KEY",
@@ -52,7 +53,7 @@ def _storable_leaf(leaf: Any) -> Any:
     return leaf
 
 
-def to_storable(tree: Any) -> Any:
+def to_storable(tree: PyTree) -> Any:
     """``tree`` as Orbax can store it: typed PRNG keys as their key data, empty arrays as
     a scalar placeholder."""
     return jax.tree_util.tree_map(_storable_leaf, tree)
@@ -116,7 +117,7 @@ def _key_name(key: Any) -> str:
     return str(key)
 
 
-def _by_path(tree: Any) -> dict[tuple[str, ...], Any]:
+def _by_path(tree: PyTree) -> dict[tuple[str, ...], Any]:
     """Leaves by their path as names: a dict, a dataclass and Orbax's metadata of either
     name their entries alike."""
     tree = getattr(tree, "tree", tree)  # Orbax's TreeMetadata holds the tree

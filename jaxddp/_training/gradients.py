@@ -18,6 +18,7 @@ import optax
 from .._base import settings as _settings
 from .._collectives import api as _comm
 from .._collectives.checks import check_op
+from .._types import Communicator, PyTree, ReduceOp
 
 __all__ = ["allreduce_gradients", "check_flag", "filled", "resolve_unused_parameters"]
 
@@ -96,7 +97,7 @@ def _is_array_like(leaf: Any) -> bool:
     return isinstance(leaf, jax.Array | np.ndarray | np.generic | bool | int | float | complex)
 
 
-def _has_missing(tree: Any) -> bool:
+def _has_missing(tree: PyTree) -> bool:
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: x is None)
     return any(_is_missing(leaf) for leaf in leaves)
 
@@ -129,8 +130,8 @@ def check_flag(check: bool | None) -> bool:
 
 def allreduce_gradients(
     *,
-    op: str = "mean",
-    comm: Any = None,
+    op: ReduceOp = "mean",
+    comm: Communicator | None = None,
     check: bool | None = None,
 ) -> optax.GradientTransformation:
     """An optax transform that fills in unused parameters, then allreduces the gradients.

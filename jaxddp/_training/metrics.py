@@ -12,11 +12,12 @@ import numpy as np
 from .._collectives import host as _host
 from .._collectives import signature as _signature
 from .._collectives.api import channels, is_concrete, mpi_op_of, reduce_all
+from .._types import Communicator
 
 __all__ = ["masked_mean"]
 
 
-def masked_mean(values: Any, mask: Any, *, comm: Any = None) -> jax.Array:
+def masked_mean(values: Any, mask: Any, *, comm: Communicator | None = None) -> jax.Array:
     """The mean over every rank's entries where ``mask`` is True; usable inside ``jax.jit``.
 
     The masked sum and the count are each summed over all ranks with
@@ -89,7 +90,7 @@ def _check(values: Any, mask: Any) -> None:
         raise ValueError(msg)
 
 
-def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Any) -> Any:
+def _host_masked_mean(values: np.ndarray, mask: np.ndarray, comm: Communicator | None) -> Any:
     """The same mean on concrete values, in NumPy: the masked sums (accumulated in double
     precision) and the count travel in one buffer, one MPI call."""
     _check(values, mask)

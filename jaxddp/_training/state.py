@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from .._collectives.api import allreduce, restore_kind
 from .._collectives.dtypes import is_key_dtype
+from .._types import Communicator, PyTree
 
 __all__ = ["average_state"]
 
@@ -26,7 +27,7 @@ def _floating(leaf: Any) -> bool:
     return bool(jnp.issubdtype(dtype, jnp.inexact))
 
 
-def average_state(tree: Any, *, comm: Any = None) -> Any:
+def average_state(tree: PyTree, *, comm: Communicator | None = None) -> Any:
     """Every floating-point leaf of ``tree`` replaced by its mean over the ranks.
 
     For the state a forward pass updates besides the parameters: batch norm statistics

@@ -7,8 +7,9 @@ from typing import Any
 
 import jax
 
-from .lowering import Handle
+from ..._types import Communicator
 from .primitives import allgather_p, allreduce_p, alltoall_p, bcast_p, reduce_p
+from .records import Handle
 
 __all__ = ["allgather_many", "allreduce_many", "alltoall_many", "bcast_many", "reduce_many"]
 
@@ -25,7 +26,7 @@ def _register_targets() -> None:
     import mpi4jax  # noqa: F401
 
 
-def allreduce_many(xs: Sequence[Any], op: Any, comm: Any) -> list[Any]:
+def allreduce_many(xs: Sequence[Any], op: Any, comm: Communicator) -> list[Any]:
     """Allreduces each array of ``xs`` (dtypes MPI knows) with the MPI op ``op``."""
     if not xs:
         return []
@@ -33,7 +34,7 @@ def allreduce_many(xs: Sequence[Any], op: Any, comm: Any) -> list[Any]:
     return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm))
 
 
-def bcast_many(xs: Sequence[Any], root: int, comm: Any) -> list[Any]:
+def bcast_many(xs: Sequence[Any], root: int, comm: Communicator) -> list[Any]:
     """Gives every rank ``root``'s values of each array of ``xs``."""
     if not xs:
         return []
@@ -43,7 +44,7 @@ def bcast_many(xs: Sequence[Any], root: int, comm: Any) -> list[Any]:
     return _after(xs, out) if is_root else out
 
 
-def reduce_many(xs: Sequence[Any], op: Any, root: int, comm: Any) -> list[Any]:
+def reduce_many(xs: Sequence[Any], op: Any, root: int, comm: Communicator) -> list[Any]:
     """Reduces each array of ``xs`` onto ``root``; the other ranks get their input back."""
     if not xs:
         return []
@@ -53,7 +54,7 @@ def reduce_many(xs: Sequence[Any], op: Any, root: int, comm: Any) -> list[Any]:
     return out if is_root else _after(xs, out)
 
 
-def allgather_many(xs: Sequence[Any], comm: Any) -> list[Any]:
+def allgather_many(xs: Sequence[Any], comm: Communicator) -> list[Any]:
     """Every rank's values of each array of ``xs``, stacked on a new first axis in rank
     order: ``(size, *x.shape)``."""
     if not xs:
@@ -62,7 +63,7 @@ def allgather_many(xs: Sequence[Any], comm: Any) -> list[Any]:
     return allgather_p.bind(*xs, comm=Handle(comm), size=comm.Get_size())
 
 
-def alltoall_many(xs: Sequence[Any], comm: Any) -> list[Any]:
+def alltoall_many(xs: Sequence[Any], comm: Communicator) -> list[Any]:
     """Each array of ``xs`` has the communicator's size as its first axis; row ``j`` goes
     to rank ``j``, and row ``i`` of the result came from rank ``i``."""
     if not xs:

@@ -16,10 +16,19 @@ from jax.interpreters import ad, batching
 from . import compat, restage
 from .chain import stage
 from .forms import chained_p, ordered_p
-from .lowering import Handle, out_avals
+from .lowering import out_avals
 from .path import fast_path
+from .records import RECORDS, Handle
 
-__all__ = ["allgather_p", "allreduce_p", "alltoall_p", "bcast_p", "reduce_p", "tangent_p"]
+__all__ = [
+    "COLLECTIVES",
+    "allgather_p",
+    "allreduce_p",
+    "alltoall_p",
+    "bcast_p",
+    "reduce_p",
+    "tangent_p",
+]
 
 
 class Collective(Primitive):
@@ -54,13 +63,13 @@ def collective(kind: str, *, tangent: bool = False) -> Collective:
     return p
 
 
-allreduce_p = collective("allreduce")
-bcast_p = collective("bcast")
-reduce_p = collective("reduce")
-# Moves only (for the sharded optimizer): an allgather stacks every rank's buffer on a new
-# first axis; an alltoall sends row j of a (size, ...) buffer to rank j.
-allgather_p = collective("allgather")
-alltoall_p = collective("alltoall")
+# One primitive per record (records.py), its rules registered from the record below.
+COLLECTIVES = {kind: collective(kind) for kind in RECORDS}
+allreduce_p = COLLECTIVES["allreduce"]
+bcast_p = COLLECTIVES["bcast"]
+reduce_p = COLLECTIVES["reduce"]
+allgather_p = COLLECTIVES["allgather"]
+alltoall_p = COLLECTIVES["alltoall"]
 # The tangent of a sum: a sum of the tangents, whose transpose sums the cotangents, as
 # `jax.lax.psum`'s does. Every rank computes the same loss from every rank's values, so the
 # gradient with respect to one rank's inputs gathers every rank's cotangent: a loss built
@@ -85,7 +94,7 @@ ad.primitive_transposes[chained_p] = functools.partial(_transpose_tangent, chain
 # Transformations of a jaxpr that is already staged (a cached jit called under grad or
 # vmap) see the staged forms: they differentiate and batch like the allreduce they came from.
 def _staged_jvp(p: Primitive, primals: Any, tangents: Any, **params: Any) -> Any:
-    if params["kind"] != "allreduce":
+    if not RECORDS[params["kind"]].differentiable:
         _no_derivative(params["kind"])(primals, tangents)
     # a chained form takes a token and returns one; an ordered form has none (its token is
     # JAX's effect token)
@@ -99,7 +108,7 @@ def _staged_jvp(p: Primitive, primals: Any, tangents: Any, **params: Any) -> Any
 
 
 def _staged_batcher(p: Primitive, args: Any, dims: Any, **params: Any) -> Any:
-    if params["kind"] != "allreduce":
+    if not RECORDS[params["kind"]].batchable:
         msg = f"jaxddp's {params['kind']} cannot be batched with vmap."
         raise NotImplementedError(msg)
     if p is ordered_p:
@@ -177,11 +186,11 @@ def _no_derivative(kind: str) -> Any:
     return rule
 
 
-ad.primitive_jvps[allreduce_p] = _allreduce_jvp
-ad.primitive_jvps[bcast_p] = _no_derivative("broadcast")
-ad.primitive_jvps[reduce_p] = _no_derivative("reduce")
-ad.primitive_jvps[allgather_p] = _no_derivative("allgather")
-ad.primitive_jvps[alltoall_p] = _no_derivative("alltoall")
+for _kind, _p in COLLECTIVES.items():  # the one place a record's rules are registered
+    _record = RECORDS[_kind]
+    ad.primitive_jvps[_p] = (
+        _allreduce_jvp if _record.differentiable else _no_derivative(_record.name)
+    )
 ad.primitive_jvps[tangent_p] = lambda primals, tangents, **params: (
     tangent_p.bind(*primals, **params),
     tangent_p.bind(*[ad.instantiate_zeros(t) for t in tangents], **params),
@@ -196,5 +205,5 @@ def _elementwise_batcher(p: Primitive) -> Any:
     return rule
 
 
-for _p in (allreduce_p, tangent_p):
+for _p in (*(p for kind, p in COLLECTIVES.items() if RECORDS[kind].batchable), tangent_p):
     batching.primitive_batchers[_p] = _elementwise_batcher(_p)

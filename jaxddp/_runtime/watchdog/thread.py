@@ -28,6 +28,7 @@ import numpy as np
 from ..._base import exit as _exit
 from ..._base import progress as _progress
 from ..._base import settings as _settings
+from ..._types import Communicator
 from .report import render
 from .sleeps import MainSleeps
 from .stacks import SHOWN_FRAMES, folded_stack
@@ -93,7 +94,9 @@ class _Off:
 
 
 class _Watchdog:
-    def __init__(self, MPI: ModuleType, comm: Any, warn: float, abort: float | None) -> None:
+    def __init__(
+        self, MPI: ModuleType, comm: Communicator, warn: float, abort: float | None
+    ) -> None:
         self.MPI, self.comm = MPI, comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.warn, self.abort = warn, abort

@@ -23,6 +23,7 @@ from jax.core import Tracer
 
 from ..._collectives import api as _comm
 from ..._collectives import signature as _signature
+from ..._types import Communicator, PyTree
 from ..gradients import check_flag, filled
 from .check import check_elementwise
 from .slices import Layout, allgather, clip_by_global_norm, layout_of, mean_slices
@@ -64,7 +65,9 @@ def _sharder(tx: ShardedOptimizer) -> _Sharder:
 
 
 class _Sharder:
-    def __init__(self, inner: Any, clip: float | None, comm: Any, check: bool) -> None:
+    def __init__(
+        self, inner: Any, clip: float | None, comm: Communicator | None, check: bool
+    ) -> None:
         self.inner, self.clip, self.comm, self.check = inner, clip, comm, check
 
     def layout(self, params: Any, what: str = "params") -> tuple[Layout, tuple[Any, Any]]:
@@ -130,7 +133,7 @@ class _Sharder:
     def shard(self, full: Any, params: Any) -> ShardedState:
         layout, _ = self.layout(params)
 
-        def mine(tree: Any) -> Any:
+        def mine(tree: PyTree) -> Any:
             leaves = jax.tree_util.tree_leaves(tree)
             dtypes = [np.dtype(leaves[members[0]].dtype) for _, members in layout.groups]
             return tuple(jnp.asarray(x) for x in layout.mine(layout.pack(leaves, dtypes)))
@@ -168,7 +171,7 @@ def shard_optimizer(
     inner: optax.GradientTransformation,
     *,
     clip_global_norm: float | None = None,
-    comm: Any = None,
+    comm: Communicator | None = None,
     check: bool | None = None,
 ) -> ShardedOptimizer:
     """``inner`` with its state sharded across the ranks (ZeRO stage 1), in place of

@@ -15,6 +15,7 @@ import numpy as np
 from ..._collectives import api as _comm
 from ..._collectives._jax import ops
 from ..._collectives.wire import chunks, from_wire, to_wire, wire_dtype
+from ..._types import Communicator
 
 __all__ = [
     "Layout",
@@ -185,7 +186,7 @@ def mean_slices(vectors: list[Any], layout: Layout, comm: tuple[Any, Any]) -> li
     return out
 
 
-def global_norm(slices: list[Any], comm: Any) -> Any:
+def global_norm(slices: list[Any], comm: Communicator | None) -> Any:
     """The norm of the whole (mean) gradient from every rank's slices: each rank's sum of
     squares, summed over the ranks (the padding is zeros)."""
     squares = sum(
@@ -196,7 +197,7 @@ def global_norm(slices: list[Any], comm: Any) -> Any:
     return jnp.sqrt(jnp.asarray(total))
 
 
-def clip_by_global_norm(slices: list[Any], max_norm: float, comm: Any) -> list[Any]:
+def clip_by_global_norm(slices: list[Any], max_norm: float, comm: Communicator | None) -> list[Any]:
     """``optax.clip_by_global_norm(max_norm)`` of the whole gradient, on this rank's slices."""
     g_norm = global_norm(slices, comm)
     trigger = jnp.squeeze(g_norm < max_norm)
