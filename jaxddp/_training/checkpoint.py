@@ -92,7 +92,13 @@ class CheckpointManager:
         def open_manager() -> None:
             import orbax.checkpoint as ocp
 
-            options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+            # Synchronous: a save returns complete anyway, and an asynchronous one that fails
+            # early (the step's folder cannot be made) leaves Orbax's commit threads waiting
+            # for a signal that never comes: non-daemon threads that keep the writer from
+            # exiting for Orbax's 300 s timeout. The synchronous save costs the same.
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+            )
             self._manager = ocp.CheckpointManager(
                 self.directory,
                 options=options,

@@ -1,7 +1,9 @@
 """jaxddp.CheckpointManager on real ranks (2 and 4): one writer, every rank agrees."""
 
 import os
+import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +124,44 @@ def test_an_unwritable_directory_is_an_error_on_every_rank(directory):
     with pytest.raises(RuntimeError, match=r"open the checkpoint directory") as info:
         jaxddp.CheckpointManager(os.path.join(blocker, "checkpoints"))  # a file's subdirectory
     assert "checkpoints" in str(info.value)
+
+
+def _make_unwritable(path, unwritable):
+    """On rank 0: makes ``path`` unwritable (``chattr +i``: root ignores permissions) or
+    writable again; returns, on every rank, whether a folder can be made there."""
+    writable = None
+    if rank == 0:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "+i" if unwritable else "-i", path], check=False)
+        try:
+            os.chmod(path, 0o555 if unwritable else 0o755)
+            os.rmdir(tempfile.mkdtemp(dir=path))
+            writable = True
+        except OSError:
+            writable = False
+    return WORLD.bcast(writable)
+
+
+def test_a_failed_save_leaves_every_rank_able_to_go_on_and_exit(directory):
+    # Issue 43, case 3: a save that failed as the step's folder was made left Orbax's commit
+    # threads (not daemons) waiting for a signal, and rank 0 waited for them at exit.
+    before = {t.ident for t in threading.enumerate()}
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, {"w": jnp.zeros(3)})
+        locked = not _make_unwritable(directory, True)
+        try:
+            if locked:
+                with pytest.raises(RuntimeError, match=r"save checkpoint 2.*(ermission|permitted)"):
+                    ckpt.save(2, {"w": jnp.ones(3)})
+        finally:
+            assert _make_unwritable(directory, False)
+        if not locked:
+            pytest.skip("cannot make a directory unwritable here")  # decided on rank 0 for all
+        ckpt.save(2, {"w": jnp.ones(3)})  # goes on
+        assert ckpt.all_steps() == [1, 2]
+        np.testing.assert_array_equal(ckpt.restore(None, {"w": jnp.zeros(3)})["w"], np.ones(3))
+    left = [t.name for t in threading.enumerate() if t.ident not in before and not t.daemon]
+    assert WORLD.allgather(left) == [[]] * size  # nothing that the exit would wait for
 
 
 def test_ranks_saving_different_structures_raise_on_every_rank(directory):
