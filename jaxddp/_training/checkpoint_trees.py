@@ -145,15 +145,42 @@ def check_matches(saved: Any, target: Any, step: int) -> None:
         raise ValueError(msg)
     for path, b in want.items():
         a = got[path]
-        if _describe(a)[:2] != _describe(b)[:2] and not (
-            isinstance(b, bool | int | float) and _shape(a) == ()
-        ):
+        if isinstance(b, bool | int | float) and _shape(a) == ():
+            if _dtype(a).kind in _number_kinds(b):
+                continue  # a Python number takes a saved 0-d leaf of its kind
             msg = (
-                f"Checkpoint {step} holds {_describe(a)} at "
-                f"`{_path_text(path)}`, but the target has {_describe(b)} "
-                "there: it is a checkpoint of another state."
+                f"Checkpoint {step} holds a number of dtype {_dtype(a)} at `{_path_text(path)}`, "
+                f"but the target has a Python {type(b).__name__} ({np.asarray(b).dtype}) there: "
+                "restore does not convert. Give the target the saved kind of number, or convert "
+                "after restoring."
             )
             raise ValueError(msg)
+        if _describe(a)[:2] == _describe(b)[:2]:
+            continue
+        if _describe(a)[0] == _describe(b)[0] and len(_describe(b)) == 2:  # the dtype alone
+            msg = (
+                f"Checkpoint {step} holds {_describe(a)[1]} at `{_path_text(path)}`, but the "
+                f"target has {_describe(b)[1]} there (shape {_describe(b)[0]}): restore does not "
+                "convert. Give the target the saved dtype, or convert after restoring."
+            )
+            raise ValueError(msg)
+        msg = (
+            f"Checkpoint {step} holds {_describe(a)} at "
+            f"`{_path_text(path)}`, but the target has {_describe(b)} "
+            "there: it is a checkpoint of another state."
+        )
+        raise ValueError(msg)
+
+
+def _number_kinds(number: float) -> str:
+    """The dtype kinds that a Python number of the target takes from a saved 0-d leaf."""
+    return "b" if isinstance(number, bool) else "iu" if isinstance(number, int) else "f"
+
+
+def _dtype(leaf: Any) -> np.dtype[Any]:
+    """The dtype of an array, of Orbax's metadata of one, or of a Python number."""
+    dtype = getattr(leaf, "dtype", None)
+    return np.asarray(leaf).dtype if dtype is None else np.dtype(dtype)
 
 
 def restored_like(value: Any, target: Any) -> Any:

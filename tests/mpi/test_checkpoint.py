@@ -119,6 +119,27 @@ def test_a_checkpoint_of_another_state_is_a_clear_error_on_every_rank(directory,
         assert ckpt.latest_step() == 5
 
 
+@pytest.mark.parametrize(
+    ("saved", "target", "names"),
+    [
+        (3, 2.5, r"number of dtype int64 at `\['x'\]`.*Python float \(float64\)"),
+        (2.5, 3, r"number of dtype float64 at `\['x'\]`.*Python int \(int64\)"),
+        (True, 1, r"number of dtype bool at `\['x'\]`.*Python int \(int64\)"),
+        (jnp.arange(3), jnp.zeros(3), r"holds int32 at `\['x'\]`.*target has float32"),
+        (jnp.zeros(3), jnp.arange(3), r"holds float32 at `\['x'\]`.*target has int32"),
+        (np.int64(4), np.float32(0), r"holds int64 at `\['x'\]`.*target has float32"),
+    ],
+    ids=["int-as-float", "float-as-int", "bool-as-int", "int-array", "float-array", "numpy"],
+)
+def test_a_target_of_another_dtype_is_refused_on_every_rank(directory, saved, target, names):
+    # Issue 43, case 4: a float where an int was saved (a Python number) restored cast.
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, {"x": saved})
+        with pytest.raises(ValueError, match=f"restore checkpoint 1.*{names}"):
+            ckpt.restore(1, {"x": target})
+        assert ckpt.restore(1, {"x": saved})["x"] is not None  # the saved dtype restores
+
+
 def test_an_unwritable_directory_is_an_error_on_every_rank(directory):
     blocker = WORLD.bcast(tempfile.mkstemp()[1] if rank == 0 else None)
     with pytest.raises(RuntimeError, match=r"open the checkpoint directory") as info:
