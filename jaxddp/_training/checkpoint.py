@@ -30,6 +30,7 @@ from .checkpoint_trees import (
     check_matches,
     checksums,
     restored_like,
+    saved_numbers,
     to_storable,
     verify,
 )
@@ -176,21 +177,33 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def restore(self, step: int | None, target: Any) -> Any:
+    def restore(self, step: int | None, target: Any, *,
+                allow_missing_checksums: bool = False) -> Any:  # fmt: skip
         """Checkpoint ``step`` (the newest intact one when None), on every rank, shaped as
         ``target``.
 
         ``target`` is a state of the same structure, shapes and dtypes as the one saved,
         e.g. the freshly initialized state; its values are not used. A checkpoint of another
-        structure (another model, another optimizer) raises ValueError on every rank naming
-        the first difference. The restored leaves are jax arrays where ``target`` has jax
-        arrays, typed keys where it has keys, numbers where it has numbers.
+        structure (another model, another optimizer), or with another dtype anywhere (a
+        float where an int was saved, or the other way), raises ValueError on every rank
+        naming the first difference: nothing is converted. The restored leaves are jax
+        arrays where ``target`` has jax arrays, typed keys where it has keys, numbers where
+        it has numbers.
 
         The reading rank checks every array against the checksum saved with it before any
-        rank gets a value. A checkpoint that fails it, or whose files cannot be read, raises
-        :class:`DamagedCheckpointError` (a RuntimeError) on every rank naming the step and
-        the entry; with ``step=None`` the next older checkpoint is tried instead, with a
-        RuntimeWarning on every rank, and the error comes only when none is intact.
+        rank gets a value. A checkpoint that fails it, whose files cannot be read, or whose
+        metadata holds no checksums (unreadable, cut short, or without jaxddp's entry)
+        raises :class:`DamagedCheckpointError` (a RuntimeError) on every rank naming the
+        step and the entry; with ``step=None`` the next older checkpoint is tried instead,
+        with a RuntimeWarning on every rank, and the error comes only when none is intact.
+
+        Args:
+          step: the checkpoint to restore; None for the newest intact one.
+          target: a state shaped as the one saved.
+          allow_missing_checksums: restore a checkpoint whose metadata holds no checksums
+            (one written before jaxddp saved them) unverified, with a RuntimeWarning on
+            every rank, instead of calling it damaged. Checksums that are there are
+            verified all the same.
         """
         import orbax.checkpoint as ocp
 
@@ -218,15 +231,21 @@ class CheckpointManager:
             )
             check_matches(restored, storable_target, step)
             saved = _unreadable(step, "its checksums", lambda: manager.metadata(step))
-            verify(restored, getattr(saved, "custom_metadata", None), step)
-            return restored
+            verified = verify(
+                restored,
+                getattr(saved, "custom_metadata", None),
+                step,
+                numbers=saved_numbers(metadata),
+                allow_missing=allow_missing_checksums,
+            )
+            return restored, verified
 
         for i, candidate in enumerate(candidates):
             try:
-                restored = self._on_writer(
+                restored, verified = self._on_writer(
                     lambda s=candidate: read(s),
                     f"restore checkpoint {candidate} from {self.directory!r}",
-                )
+                ) or (None, None)
             except DamagedCheckpointError as e:
                 if i + 1 == len(candidates):
                     raise
@@ -236,6 +255,14 @@ class CheckpointManager:
                     stacklevel=2,
                 )
                 continue
+            if not self._comm.bcast(verified, root=_ROOT):
+                warnings.warn(
+                    f"Checkpoint {candidate} in {self.directory!r} holds no checksums (written "
+                    "before jaxddp saved them, or its metadata is damaged): restored "
+                    "unverified, as `allow_missing_checksums=True` asks.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             values = restored if self._writer else storable_target
             values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
             return jax.tree_util.tree_map(restored_like, values, target)

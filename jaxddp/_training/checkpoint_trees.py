@@ -22,6 +22,7 @@ __all__ = [
     "check_matches",
     "checksums",
     "restored_like",
+    "saved_numbers",
     "to_storable",
     "verify",
 ]
@@ -91,22 +92,53 @@ def checksums(storable: Any) -> dict[str, int]:
     return {"/".join(path): crc for path, crc in zip(leaves, crcs, strict=True) if crc is not None}
 
 
-def verify(restored: Any, custom: Any, step: int) -> None:
+def saved_numbers(metadata: Any) -> frozenset[str]:
+    """The paths of the leaves that Orbax's metadata of a step says were saved as Python
+    numbers: they carry no checksum."""
+    return frozenset(
+        "/".join(path)
+        for path, leaf in _by_path(metadata).items()
+        if type(leaf).__name__ == "ScalarMetadata"  # orbax.checkpoint.metadata's
+    )
+
+
+def verify(restored: Any, custom: Any, step: int, *, numbers: frozenset[str],
+           allow_missing: bool) -> bool:  # fmt: skip
     """Raises DamagedCheckpointError naming the first array whose bytes fail the checksum
-    saved with it. A checkpoint saved without checksums (by an older jaxddp) passes."""
-    saved = custom.get(METADATA_KEY, {}).get("crc32") if isinstance(custom, dict) else None
-    if not saved:
-        return
+    saved with it, or that has none. A step whose metadata holds no checksums at all (cut
+    short, unreadable, or written before jaxddp had them) is damaged too, unless
+    ``allow_missing``: then it passes unverified and False is returned."""
+    entry = custom.get(METADATA_KEY) if isinstance(custom, dict) else None
+    saved = entry.get("crc32") if isinstance(entry, dict) else None
+    if not isinstance(saved, dict):
+        if allow_missing:
+            return False
+        msg = (
+            f"Checkpoint {step} is damaged: its metadata (`_CHECKPOINT_METADATA`) holds no "
+            "checksums of jaxddp: it is unreadable, cut short, or lacks jaxddp's entry. A "
+            "checkpoint written before jaxddp saved checksums has none either: restore one "
+            "you trust with `restore(..., allow_missing_checksums=True)`."
+        )
+        raise DamagedCheckpointError(msg)
     for path, leaf in _by_path(restored).items():
         name = "/".join(path)
-        crc = _crc32(leaf)
-        if crc is not None and name in saved and int(saved[name]) != crc:
+        crc, want = _crc32(leaf), saved.get(name)
+        if crc is None or (want is None and name in numbers):
+            continue  # a Python number: saved without a checksum
+        if isinstance(want, bool) or not isinstance(want, int):
+            msg = (
+                f"Checkpoint {step} is damaged: its metadata holds no checksum for "
+                f"`{_path_text(path)}` (it has {want!r}); it was changed after the save."
+            )
+            raise DamagedCheckpointError(msg)
+        if want != crc:
             msg = (
                 f"Checkpoint {step} is damaged: the values read for `{_path_text(path)}` fail "
-                f"the checksum saved with them (CRC-32 {crc:08x}, saved {int(saved[name]):08x}); "
+                f"the checksum saved with them (CRC-32 {crc:08x}, saved {want:08x}); "
                 "its files were changed or corrupted after the save."
             )
             raise DamagedCheckpointError(msg)
+    return True
 
 
 def _key_name(key: Any) -> str:
