@@ -89,6 +89,7 @@ class CheckpointManager:
         self._writer = self._comm.Get_rank() == _ROOT
         self.directory = os.path.abspath(os.fspath(directory))
         self._manager: Any = None
+        self._damaged: set[int] = set()  # steps that restore found damaged, on every rank
 
         def open_manager() -> None:
             import orbax.checkpoint as ocp
@@ -141,12 +142,18 @@ class CheckpointManager:
 
     def save(self, step: int, state: Any) -> None:
         """Writes ``state`` (the first rank's) as checkpoint ``step`` and waits until it is
-        complete on disk. Collective: every rank calls it, and gets the writer's error."""
+        complete on disk. Collective: every rank calls it, and gets the writer's error.
+
+        A step is saved once, except one that :meth:`restore` found damaged (and skipped):
+        its folder is moved aside to ``<step>.damaged`` (named in a RuntimeWarning on every
+        rank) and the step is saved anew."""
         import orbax.checkpoint as ocp
 
         step = _check_step(step)
         storable = to_storable(state)
         _consistency.check_same_tree(storable, what="checkpointed state", comm=self._user_comm)
+        if step in self._damaged:
+            self._replace_damaged(step)
 
         def write() -> None:
             manager = self._manager_or_raise()
@@ -163,6 +170,32 @@ class CheckpointManager:
                 raise RuntimeError(msg) from e
 
         self._on_writer(write, f"save checkpoint {step} in {self.directory!r}")
+
+    def _replace_damaged(self, step: int) -> None:
+        """Moves the folder of ``step``, found damaged, aside so that it can be saved anew."""
+
+        def move() -> str | None:
+            manager = self._manager_or_raise()
+            folder = os.path.join(self.directory, str(step))  # Orbax's name of the step
+            if not os.path.isdir(folder):
+                return None
+            aside, n = f"{folder}.damaged", 1  # Orbax lists only folders named as a step
+            while os.path.lexists(aside):
+                aside, n = f"{folder}.damaged-{n}", n + 1
+            os.rename(folder, aside)
+            manager.reload()
+            return aside
+
+        aside = self._on_writer(move, f"move the damaged checkpoint {step} aside")
+        aside = self._comm.bcast(aside, root=_ROOT)
+        self._damaged.discard(step)
+        if aside is not None:
+            warnings.warn(
+                f"Checkpoint {step} in {self.directory!r}, which restore found damaged, is "
+                f"moved aside to {aside!r} to save step {step} anew.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def all_steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first, the same on every rank."""
@@ -196,6 +229,7 @@ class CheckpointManager:
         raises :class:`DamagedCheckpointError` (a RuntimeError) on every rank naming the
         step and the entry; with ``step=None`` the next older checkpoint is tried instead,
         with a RuntimeWarning on every rank, and the error comes only when none is intact.
+        A later ``save`` of a step found damaged moves it aside (see :meth:`save`).
 
         Args:
           step: the checkpoint to restore; None for the newest intact one.
@@ -247,6 +281,7 @@ class CheckpointManager:
                     f"restore checkpoint {candidate} from {self.directory!r}",
                 ) or (None, None)
             except DamagedCheckpointError as e:
+                self._damaged.add(candidate)  # a save of this step replaces it
                 if i + 1 == len(candidates):
                     raise
                 warnings.warn(
@@ -255,6 +290,7 @@ class CheckpointManager:
                     stacklevel=2,
                 )
                 continue
+            self._damaged.discard(candidate)
             if not self._comm.bcast(verified, root=_ROOT):
                 warnings.warn(
                     f"Checkpoint {candidate} in {self.directory!r} holds no checksums (written "

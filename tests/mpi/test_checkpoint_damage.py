@@ -151,6 +151,30 @@ def test_a_checkpoint_without_checksums_restores_only_when_asked_with_a_warning(
             ckpt.restore(2, _state(0), allow_missing_checksums=True)
 
 
+def test_the_save_of_a_step_found_damaged_moves_it_aside_and_saves_anew(directory):
+    # Issue 43, case 2: the resumed run's next save of the skipped step failed with Orbax's
+    # StepAlreadyExistsError.
+    with jaxddp.CheckpointManager(directory, max_to_keep=2) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+        _damage(directory, 2, "truncated")
+        with pytest.warns(RuntimeWarning, match="Falling back to checkpoint 1"):
+            assert ckpt.restore(None, _state(0))["step"] == 1
+        aside = os.path.join(directory, "2.damaged")
+        with pytest.warns(RuntimeWarning, match=f"Checkpoint 2 .* moved aside to '{aside}'"):
+            ckpt.save(2, _state(20))
+        assert ckpt.all_steps() == [1, 2]
+        restored = ckpt.restore(None, _state(0))  # no warning: it is intact
+        assert restored["step"] == 20
+        ckpt.save(3, _state(3))  # max_to_keep counts the steps alone
+        assert ckpt.all_steps() == [2, 3]
+        # a step that was not found damaged is still saved once
+        with pytest.raises(RuntimeError, match="save checkpoint 3"):
+            ckpt.save(3, _state(3))
+    seen = WORLD.bcast(sorted(os.listdir(directory)) if rank == 0 else None)
+    assert seen == ["2", "2.damaged", "3"]
+
+
 def test_a_full_disk_during_a_save_is_a_runtime_error_on_every_rank():
     # a 64 KiB tmpfs as the disk (we are root in CI; decided on rank 0 for every rank)
     where = tempfile.mkdtemp(prefix="jaxddp-full-") if rank == 0 else None
