@@ -88,3 +88,21 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_restorable(tmp_path
     assert resumed.ok, resumed.report()
     assert "resumed from step 5 on 2 ranks" in resumed.rank_logs["0"]
     _assert_close(_params(out), uninterrupted)
+
+
+def test_resumed_past_a_damaged_checkpoint_it_saves_that_step_anew_and_ends_as_uninterrupted(
+    tmp_path, uninterrupted, killed_after_second_save
+):
+    # Issue 43, case 2: the resumed run fell back to the older checkpoint, then died at its
+    # next save of the damaged step with Orbax's StepAlreadyExistsError.
+    shutil.copytree(killed_after_second_save(2), tmp_path / "ckpt")
+    data = max((p for p in (tmp_path / "ckpt" / "10").rglob("*") if p.is_file()),
+               key=lambda p: p.stat().st_size)  # fmt: skip
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # truncated
+    resumed, out = _run(tmp_path, "resumed", 2, "--resume")
+    assert resumed.ok, resumed.report()
+    assert "Checkpoint 10 is damaged" in resumed.rank_logs["0"]
+    assert "resumed from step 5 on 2 ranks" in resumed.rank_logs["0"]
+    assert "moved aside to" in resumed.rank_logs["0"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["10.damaged", "25", "30", "35"]
+    _assert_close(_params(out), uninterrupted)

@@ -31,6 +31,7 @@ from .checkpoint_trees import (
     check_matches,
     checksums,
     restored_like,
+    saved_numbers,
     to_storable,
     verify,
 )
@@ -89,11 +90,18 @@ class CheckpointManager:
         self._writer = self._comm.Get_rank() == _ROOT
         self.directory = os.path.abspath(os.fspath(directory))
         self._manager: Any = None
+        self._damaged: set[int] = set()  # steps that restore found damaged, on every rank
 
         def open_manager() -> None:
             import orbax.checkpoint as ocp
 
-            options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+            # Synchronous: a save returns complete anyway, and an asynchronous one that fails
+            # early (the step's folder cannot be made) leaves Orbax's commit threads waiting
+            # for a signal that never comes: non-daemon threads that keep the writer from
+            # exiting for Orbax's 300 s timeout. The synchronous save costs the same.
+            options = ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+            )
             self._manager = ocp.CheckpointManager(
                 self.directory,
                 options=options,
@@ -135,12 +143,18 @@ class CheckpointManager:
 
     def save(self, step: int, state: Any) -> None:
         """Writes ``state`` (the first rank's) as checkpoint ``step`` and waits until it is
-        complete on disk. Collective: every rank calls it, and gets the writer's error."""
+        complete on disk. Collective: every rank calls it, and gets the writer's error.
+
+        A step is saved once, except one that :meth:`restore` found damaged (and skipped):
+        its folder is moved aside to ``<step>.damaged`` (named in a RuntimeWarning on every
+        rank) and the step is saved anew."""
         import orbax.checkpoint as ocp
 
         step = _check_step(step)
         storable = to_storable(state)
         _consistency.check_same_tree(storable, what="checkpointed state", comm=self._user_comm)
+        if step in self._damaged:
+            self._replace_damaged(step)
 
         def write() -> None:
             manager = self._manager_or_raise()
@@ -158,6 +172,32 @@ class CheckpointManager:
 
         self._on_writer(write, f"save checkpoint {step} in {self.directory!r}")
 
+    def _replace_damaged(self, step: int) -> None:
+        """Moves the folder of ``step``, found damaged, aside so that it can be saved anew."""
+
+        def move() -> str | None:
+            manager = self._manager_or_raise()
+            folder = os.path.join(self.directory, str(step))  # Orbax's name of the step
+            if not os.path.isdir(folder):
+                return None
+            aside, n = f"{folder}.damaged", 1  # Orbax lists only folders named as a step
+            while os.path.lexists(aside):
+                aside, n = f"{folder}.damaged-{n}", n + 1
+            os.rename(folder, aside)
+            manager.reload()
+            return aside
+
+        aside = self._on_writer(move, f"move the damaged checkpoint {step} aside")
+        aside = self._comm.bcast(aside, root=_ROOT)
+        self._damaged.discard(step)
+        if aside is not None:
+            warnings.warn(
+                f"Checkpoint {step} in {self.directory!r}, which restore found damaged, is "
+                f"moved aside to {aside!r} to save step {step} anew.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
     def all_steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first, the same on every rank."""
         steps = self._on_writer(
@@ -171,21 +211,34 @@ class CheckpointManager:
         steps = self.all_steps()
         return steps[-1] if steps else None
 
-    def restore(self, step: int | None, target: Any) -> Any:
+    def restore(self, step: int | None, target: Any, *,
+                allow_missing_checksums: bool = False) -> Any:  # fmt: skip
         """Checkpoint ``step`` (the newest intact one when None), on every rank, shaped as
         ``target``.
 
         ``target`` is a state of the same structure, shapes and dtypes as the one saved,
         e.g. the freshly initialized state; its values are not used. A checkpoint of another
-        structure (another model, another optimizer) raises ValueError on every rank naming
-        the first difference. The restored leaves are jax arrays where ``target`` has jax
-        arrays, typed keys where it has keys, numbers where it has numbers.
+        structure (another model, another optimizer), or with another dtype anywhere (a
+        float where an int was saved, or the other way), raises ValueError on every rank
+        naming the first difference: nothing is converted. The restored leaves are jax
+        arrays where ``target`` has jax arrays, typed keys where it has keys, numbers where
+        it has numbers.
 
         The reading rank checks every array against the checksum saved with it before any
-        rank gets a value. A checkpoint that fails it, or whose files cannot be read, raises
-        :class:`DamagedCheckpointError` (a RuntimeError) on every rank naming the step and
-        the entry; with ``step=None`` the next older checkpoint is tried instead, with a
-        RuntimeWarning on every rank, and the error comes only when none is intact.
+        rank gets a value. A checkpoint that fails it, whose files cannot be read, or whose
+        metadata holds no checksums (unreadable, cut short, or without jaxddp's entry)
+        raises :class:`DamagedCheckpointError` (a RuntimeError) on every rank naming the
+        step and the entry; with ``step=None`` the next older checkpoint is tried instead,
+        with a RuntimeWarning on every rank, and the error comes only when none is intact.
+        A later ``save`` of a step found damaged moves it aside (see :meth:`save`).
+
+        Args:
+          step: the checkpoint to restore; None for the newest intact one.
+          target: a state shaped as the one saved.
+          allow_missing_checksums: restore a checkpoint whose metadata holds no checksums
+            (one written before jaxddp saved them) unverified, with a RuntimeWarning on
+            every rank, instead of calling it damaged. Checksums that are there are
+            verified all the same.
         """
         import orbax.checkpoint as ocp
 
@@ -213,16 +266,23 @@ class CheckpointManager:
             )
             check_matches(restored, storable_target, step)
             saved = _unreadable(step, "its checksums", lambda: manager.metadata(step))
-            verify(restored, getattr(saved, "custom_metadata", None), step)
-            return restored
+            verified = verify(
+                restored,
+                getattr(saved, "custom_metadata", None),
+                step,
+                numbers=saved_numbers(metadata),
+                allow_missing=allow_missing_checksums,
+            )
+            return restored, verified
 
         for i, candidate in enumerate(candidates):
             try:
-                restored = self._on_writer(
+                restored, verified = self._on_writer(
                     lambda s=candidate: read(s),
                     f"restore checkpoint {candidate} from {self.directory!r}",
-                )
+                ) or (None, None)
             except DamagedCheckpointError as e:
+                self._damaged.add(candidate)  # a save of this step replaces it
                 if i + 1 == len(candidates):
                     raise
                 warnings.warn(
@@ -231,6 +291,15 @@ class CheckpointManager:
                     stacklevel=2,
                 )
                 continue
+            self._damaged.discard(candidate)
+            if not self._comm.bcast(verified, root=_ROOT):
+                warnings.warn(
+                    f"Checkpoint {candidate} in {self.directory!r} holds no checksums (written "
+                    "before jaxddp saved them, or its metadata is damaged): restored "
+                    "unverified, as `allow_missing_checksums=True` asks.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
             values = restored if self._writer else storable_target
             values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
             return jax.tree_util.tree_map(restored_like, values, target)

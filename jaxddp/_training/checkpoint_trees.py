@@ -23,6 +23,7 @@ __all__ = [
     "check_matches",
     "checksums",
     "restored_like",
+    "saved_numbers",
     "to_storable",
     "verify",
 ]
@@ -92,22 +93,53 @@ def checksums(storable: Any) -> dict[str, int]:
     return {"/".join(path): crc for path, crc in zip(leaves, crcs, strict=True) if crc is not None}
 
 
-def verify(restored: Any, custom: Any, step: int) -> None:
+def saved_numbers(metadata: Any) -> frozenset[str]:
+    """The paths of the leaves that Orbax's metadata of a step says were saved as Python
+    numbers: they carry no checksum."""
+    return frozenset(
+        "/".join(path)
+        for path, leaf in _by_path(metadata).items()
+        if type(leaf).__name__ == "ScalarMetadata"  # orbax.checkpoint.metadata's
+    )
+
+
+def verify(restored: Any, custom: Any, step: int, *, numbers: frozenset[str],
+           allow_missing: bool) -> bool:  # fmt: skip
     """Raises DamagedCheckpointError naming the first array whose bytes fail the checksum
-    saved with it. A checkpoint saved without checksums (by an older jaxddp) passes."""
-    saved = custom.get(METADATA_KEY, {}).get("crc32") if isinstance(custom, dict) else None
-    if not saved:
-        return
+    saved with it, or that has none. A step whose metadata holds no checksums at all (cut
+    short, unreadable, or written before jaxddp had them) is damaged too, unless
+    ``allow_missing``: then it passes unverified and False is returned."""
+    entry = custom.get(METADATA_KEY) if isinstance(custom, dict) else None
+    saved = entry.get("crc32") if isinstance(entry, dict) else None
+    if not isinstance(saved, dict):
+        if allow_missing:
+            return False
+        msg = (
+            f"Checkpoint {step} is damaged: its metadata (`_CHECKPOINT_METADATA`) holds no "
+            "checksums of jaxddp: it is unreadable, cut short, or lacks jaxddp's entry. A "
+            "checkpoint written before jaxddp saved checksums has none either: restore one "
+            "you trust with `restore(..., allow_missing_checksums=True)`."
+        )
+        raise DamagedCheckpointError(msg)
     for path, leaf in _by_path(restored).items():
         name = "/".join(path)
-        crc = _crc32(leaf)
-        if crc is not None and name in saved and int(saved[name]) != crc:
+        crc, want = _crc32(leaf), saved.get(name)
+        if crc is None or (want is None and name in numbers):
+            continue  # a Python number: saved without a checksum
+        if isinstance(want, bool) or not isinstance(want, int):
+            msg = (
+                f"Checkpoint {step} is damaged: its metadata holds no checksum for "
+                f"`{_path_text(path)}` (it has {want!r}); it was changed after the save."
+            )
+            raise DamagedCheckpointError(msg)
+        if want != crc:
             msg = (
                 f"Checkpoint {step} is damaged: the values read for `{_path_text(path)}` fail "
-                f"the checksum saved with them (CRC-32 {crc:08x}, saved {int(saved[name]):08x}); "
+                f"the checksum saved with them (CRC-32 {crc:08x}, saved {want:08x}); "
                 "its files were changed or corrupted after the save."
             )
             raise DamagedCheckpointError(msg)
+    return True
 
 
 def _key_name(key: Any) -> str:
@@ -146,15 +178,42 @@ def check_matches(saved: Any, target: Any, step: int) -> None:
         raise ValueError(msg)
     for path, b in want.items():
         a = got[path]
-        if _describe(a)[:2] != _describe(b)[:2] and not (
-            isinstance(b, bool | int | float) and _shape(a) == ()
-        ):
+        if isinstance(b, bool | int | float) and _shape(a) == ():
+            if _dtype(a).kind in _number_kinds(b):
+                continue  # a Python number takes a saved 0-d leaf of its kind
             msg = (
-                f"Checkpoint {step} holds {_describe(a)} at "
-                f"`{_path_text(path)}`, but the target has {_describe(b)} "
-                "there: it is a checkpoint of another state."
+                f"Checkpoint {step} holds a number of dtype {_dtype(a)} at `{_path_text(path)}`, "
+                f"but the target has a Python {type(b).__name__} ({np.asarray(b).dtype}) there: "
+                "restore does not convert. Give the target the saved kind of number, or convert "
+                "after restoring."
             )
             raise ValueError(msg)
+        if _describe(a)[:2] == _describe(b)[:2]:
+            continue
+        if _describe(a)[0] == _describe(b)[0] and len(_describe(b)) == 2:  # the dtype alone
+            msg = (
+                f"Checkpoint {step} holds {_describe(a)[1]} at `{_path_text(path)}`, but the "
+                f"target has {_describe(b)[1]} there (shape {_describe(b)[0]}): restore does not "
+                "convert. Give the target the saved dtype, or convert after restoring."
+            )
+            raise ValueError(msg)
+        msg = (
+            f"Checkpoint {step} holds {_describe(a)} at "
+            f"`{_path_text(path)}`, but the target has {_describe(b)} "
+            "there: it is a checkpoint of another state."
+        )
+        raise ValueError(msg)
+
+
+def _number_kinds(number: float) -> str:
+    """The dtype kinds that a Python number of the target takes from a saved 0-d leaf."""
+    return "b" if isinstance(number, bool) else "iu" if isinstance(number, int) else "f"
+
+
+def _dtype(leaf: Any) -> np.dtype[Any]:
+    """The dtype of an array, of Orbax's metadata of one, or of a Python number."""
+    dtype = getattr(leaf, "dtype", None)
+    return np.asarray(leaf).dtype if dtype is None else np.dtype(dtype)
 
 
 def restored_like(value: Any, target: Any) -> Any:

@@ -1,7 +1,9 @@
 """jaxddp.CheckpointManager on real ranks (2 and 4): one writer, every rank agrees."""
 
 import os
+import subprocess
 import tempfile
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -117,11 +119,70 @@ def test_a_checkpoint_of_another_state_is_a_clear_error_on_every_rank(directory,
         assert ckpt.latest_step() == 5
 
 
+@pytest.mark.parametrize(
+    ("saved", "target", "names"),
+    [
+        (3, 2.5, r"number of dtype int64 at `\['x'\]`.*Python float \(float64\)"),
+        (2.5, 3, r"number of dtype float64 at `\['x'\]`.*Python int \(int64\)"),
+        (True, 1, r"number of dtype bool at `\['x'\]`.*Python int \(int64\)"),
+        (jnp.arange(3), jnp.zeros(3), r"holds int32 at `\['x'\]`.*target has float32"),
+        (jnp.zeros(3), jnp.arange(3), r"holds float32 at `\['x'\]`.*target has int32"),
+        (np.int64(4), np.float32(0), r"holds int64 at `\['x'\]`.*target has float32"),
+    ],
+    ids=["int-as-float", "float-as-int", "bool-as-int", "int-array", "float-array", "numpy"],
+)
+def test_a_target_of_another_dtype_is_refused_on_every_rank(directory, saved, target, names):
+    # Issue 43, case 4: a float where an int was saved (a Python number) restored cast.
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, {"x": saved})
+        with pytest.raises(ValueError, match=f"restore checkpoint 1.*{names}"):
+            ckpt.restore(1, {"x": target})
+        assert ckpt.restore(1, {"x": saved})["x"] is not None  # the saved dtype restores
+
+
 def test_an_unwritable_directory_is_an_error_on_every_rank(directory):
     blocker = WORLD.bcast(tempfile.mkstemp()[1] if rank == 0 else None)
     with pytest.raises(RuntimeError, match=r"open the checkpoint directory") as info:
         jaxddp.CheckpointManager(os.path.join(blocker, "checkpoints"))  # a file's subdirectory
     assert "checkpoints" in str(info.value)
+
+
+def _make_unwritable(path, unwritable):
+    """On rank 0: makes ``path`` unwritable (``chattr +i``: root ignores permissions) or
+    writable again; returns, on every rank, whether a folder can be made there."""
+    writable = None
+    if rank == 0:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "+i" if unwritable else "-i", path], check=False)
+        try:
+            os.chmod(path, 0o555 if unwritable else 0o755)
+            os.rmdir(tempfile.mkdtemp(dir=path))
+            writable = True
+        except OSError:
+            writable = False
+    return WORLD.bcast(writable)
+
+
+def test_a_failed_save_leaves_every_rank_able_to_go_on_and_exit(directory):
+    # Issue 43, case 3: a save that failed as the step's folder was made left Orbax's commit
+    # threads (not daemons) waiting for a signal, and rank 0 waited for them at exit.
+    before = {t.ident for t in threading.enumerate()}
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, {"w": jnp.zeros(3)})
+        locked = not _make_unwritable(directory, True)
+        try:
+            if locked:
+                with pytest.raises(RuntimeError, match=r"save checkpoint 2.*(ermission|permitted)"):
+                    ckpt.save(2, {"w": jnp.ones(3)})
+        finally:
+            assert _make_unwritable(directory, False)
+        if not locked:
+            pytest.skip("cannot make a directory unwritable here")  # decided on rank 0 for all
+        ckpt.save(2, {"w": jnp.ones(3)})  # goes on
+        assert ckpt.all_steps() == [1, 2]
+        np.testing.assert_array_equal(ckpt.restore(None, {"w": jnp.zeros(3)})["w"], np.ones(3))
+    left = [t.name for t in threading.enumerate() if t.ident not in before and not t.daemon]
+    assert WORLD.allgather(left) == [[]] * size  # nothing that the exit would wait for
 
 
 def test_ranks_saving_different_structures_raise_on_every_rank(directory):

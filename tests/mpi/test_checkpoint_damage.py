@@ -5,6 +5,7 @@ end on another model; 64 bytes XORed gave a loss of nan. Every saved array now c
 CRC-32 that the reading rank verifies before any rank uses the values.
 """
 
+import json
 import os
 import tempfile
 
@@ -86,6 +87,92 @@ def test_when_no_checkpoint_is_intact_the_resume_is_an_error_on_every_rank(direc
         # an intact one saved after them restores as ever
         ckpt.save(3, _state(3))
         assert ckpt.restore(None, _state(0))["step"] == 3
+
+
+def _edit_metadata(directory, step, how):
+    """On the writing rank: changes the step's own metadata, where its checksums are."""
+    if rank == 0:
+        path = os.path.join(directory, str(step), "_CHECKPOINT_METADATA")
+        with open(path) as f:
+            text = f.read()
+        if how == "cut in half":
+            text = text[: len(text) // 2]
+        else:
+            metadata = json.loads(text)
+            if how == "without jaxddp's entry":  # as an older jaxddp wrote it
+                del metadata["custom_metadata"]["jaxddp"]
+            else:  # "without the checksum of w"
+                del metadata["custom_metadata"]["jaxddp"]["crc32"]["w"]
+            text = json.dumps(metadata)
+        with open(path, "w") as f:
+            f.write(text)
+    WORLD.Barrier()
+
+
+@pytest.mark.parametrize(
+    "how", ["cut in half", "without jaxddp's entry", "without the checksum of w"]
+)
+def test_a_step_without_its_checksums_is_damaged_and_never_restored_unverified(directory, how):
+    # Issue 43, case 1: metadata cut in half and a flipped bit restored 2 wrong values of `w`
+    # on every rank, silently; so did valid metadata without jaxddp's entry.
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+        _edit_metadata(directory, 2, how)
+        _damage(directory, 2, "bit")
+        with pytest.raises(jaxddp.DamagedCheckpointError, match="Checkpoint 2 is damaged"):
+            ckpt.restore(2, _state(0))
+        with pytest.warns(
+            RuntimeWarning, match=r"Checkpoint 2 is damaged.*Falling back to checkpoint 1"
+        ):
+            restored = ckpt.restore(None, _state(0))
+        assert restored["step"] == 1
+        np.testing.assert_array_equal(restored["w"], _state(1)["w"])
+
+
+def test_a_checkpoint_without_checksums_restores_only_when_asked_with_a_warning(directory):
+    # what a jaxddp before checksums wrote: valid metadata without jaxddp's entry
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, _state(1))
+        _edit_metadata(directory, 1, "without jaxddp's entry")
+        with pytest.raises(jaxddp.DamagedCheckpointError, match="allow_missing_checksums=True"):
+            ckpt.restore(1, _state(0))
+        with pytest.raises(jaxddp.DamagedCheckpointError, match="holds no checksums"):
+            ckpt.restore(None, _state(0))  # the only one: no fallback
+        with pytest.warns(RuntimeWarning, match="Checkpoint 1 .* restored unverified"):
+            restored = ckpt.restore(1, _state(0), allow_missing_checksums=True)
+        np.testing.assert_array_equal(restored["w"], _state(1)["w"])
+        # checksums that are there are verified all the same
+        ckpt.save(2, _state(2))
+        _damage(directory, 2, "bit")
+        with pytest.raises(
+            jaxddp.DamagedCheckpointError, match=r"Checkpoint 2 is damaged.*\['w'\]"
+        ):
+            ckpt.restore(2, _state(0), allow_missing_checksums=True)
+
+
+def test_the_save_of_a_step_found_damaged_moves_it_aside_and_saves_anew(directory):
+    # Issue 43, case 2: the resumed run's next save of the skipped step failed with Orbax's
+    # StepAlreadyExistsError.
+    with jaxddp.CheckpointManager(directory, max_to_keep=2) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+        _damage(directory, 2, "truncated")
+        with pytest.warns(RuntimeWarning, match="Falling back to checkpoint 1"):
+            assert ckpt.restore(None, _state(0))["step"] == 1
+        aside = os.path.join(directory, "2.damaged")
+        with pytest.warns(RuntimeWarning, match=f"Checkpoint 2 .* moved aside to '{aside}'"):
+            ckpt.save(2, _state(20))
+        assert ckpt.all_steps() == [1, 2]
+        restored = ckpt.restore(None, _state(0))  # no warning: it is intact
+        assert restored["step"] == 20
+        ckpt.save(3, _state(3))  # max_to_keep counts the steps alone
+        assert ckpt.all_steps() == [2, 3]
+        # a step that was not found damaged is still saved once
+        with pytest.raises(RuntimeError, match="save checkpoint 3"):
+            ckpt.save(3, _state(3))
+    seen = WORLD.bcast(sorted(os.listdir(directory)) if rank == 0 else None)
+    assert seen == ["2", "2.damaged", "3"]
 
 
 def test_a_full_disk_during_a_save_is_a_runtime_error_on_every_rank():

@@ -85,11 +85,10 @@ def main():
     state = {"params": params, "opt": tx.init(params), "sampler": sampler.state_dict(),
              "step": 0, "ballast": ballast}  # fmt: skip
     ckpt = jaxddp.CheckpointManager(args.directory, max_to_keep=3)
-    if args.resume:
-        restored_step = ckpt.latest_step()
-        state = ckpt.restore(restored_step, target=state)
+    if args.resume:  # from the newest intact checkpoint
+        state = ckpt.restore(None, target=state)
         sampler.load_state_dict(state["sampler"])
-        print(f"resumed from step {restored_step} on {size} ranks", flush=True)
+        print(f"resumed from step {state['step']} on {size} ranks", flush=True)
     if args.kill_during_save and rank == 0:
         kill_when_saving(args.directory, args.kill_during_save)
 
