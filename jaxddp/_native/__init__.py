@@ -34,8 +34,8 @@ pointers), so one build serves either MPI.
 
 A nonblocking collective never matches a blocking one, so every rank must use the same
 handler: :func:`agree` (collective, when jaxddp's world starts) picks jaxddp's only where
-every rank could load it and none turned it off (``JAXDDP_NATIVE_ALLREDUCE``), else mpi4jax's
-everywhere; :func:`status` says which and why (``jaxddp doctor`` prints it). It is registered
+every rank could load it (``JAXDDP_NATIVE_ALLREDUCE`` is the same on every rank:
+``jaxddp._runtime.agreement`` refuses a job where it differs), else mpi4jax's everywhere; :func:`status` says which and why (``jaxddp doctor`` prints it). It is registered
 for CPU only, and used where a program is lowered for CPU alone (``_lowering.emit``); choosing
 it touches no JAX backend, so ``jaxddp.init()`` still comes before any JAX configuration.
 """
@@ -212,7 +212,7 @@ def share(MPI: Any, comm: Any, one_node: bool) -> None:
         return
     if not 1 < size <= MAX_SHARED_RANKS:
         return
-    # the setting may differ between ranks: off on one means off on all
+    # the ranks agreed on the setting at start-up (_runtime.agreement); LAND is a second guard
     if not comm.allreduce(_settings.shared_allreduce(), op=MPI.LAND):
         return
     header = 64 + 64 * size

@@ -22,6 +22,7 @@ from .._base import mpi as _mpi
 from .._base import settings as _settings
 from . import launcher as _launcher
 from . import watchdog as _watchdog
+from .agreement import agree_settings
 
 __all__ = [
     "World",
@@ -105,6 +106,7 @@ class World:
 
     def __init__(self, MPI: ModuleType) -> None:
         world = MPI.COMM_WORLD
+        agree_settings(world)  # before any collective: settings that change what they send
         self.rank: int = world.Get_rank()
         self.size: int = world.Get_size()
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
