@@ -112,6 +112,7 @@ class World:
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank: int = node.Get_rank()
         self.local_size: int = node.Get_size()
+        self.node_ranks: tuple[int, ...] = tuple(node.allgather(self.rank))  # in rank order
         node.Free()
         # Two private communicators: one for mpi4py calls made from Python, one for mpi4jax
         # calls made from compiled code. Sharing one between the two can mix up messages.
