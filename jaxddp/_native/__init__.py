@@ -189,6 +189,7 @@ def status() -> str:
 # holds): every dtype jaxddp sends as it is but bool, which jaxddp widens first.
 MAX_SHARED_RANKS = 8
 SLOT_BYTES = 1 << 20
+_TEXT_BYTES = 192  # per rank and slot: the description of its call (allreduce.cc's kTextBytes)
 _KINDS = {
     "FLOAT": (0, 1), "DOUBLE": (1, 1), "COMPLEX": (0, 2), "DOUBLE_COMPLEX": (1, 2),
     "INT8_T": (2, 1), "INT16_T": (3, 1), "INT32_T": (4, 1), "INT64_T": (5, 1),
@@ -215,7 +216,7 @@ def share(MPI: Any, comm: Any, one_node: bool) -> None:
     # the ranks agreed on the setting at start-up (_runtime.agreement); LAND is a second guard
     if not comm.allreduce(_settings.shared_allreduce(), op=MPI.LAND):
         return
-    header = 64 + 64 * size
+    header = 64 + 64 * size + 2 * _TEXT_BYTES * size  # allreduce.cc: the bell, records, texts
     header += -header % 4096
     nbytes = header + 2 * size * SLOT_BYTES
     window = memory = None
