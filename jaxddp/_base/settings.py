@@ -152,9 +152,10 @@ SHARED_ALLREDUCE = Setting(
     "shared-memory window of 2 MiB per rank, made when jaxddp's world starts) instead of "
     "through MPI: a rank copies its part in, sleeps until the last rank has copied, and adds "
     "every rank's part in rank order, so every rank holds the same bits. Where the ranks' "
-    "sums, maxima or minima at the same point differ in count, dtype or op, each gets an "
-    "error naming both calls (jaxddp's signature check, `JAXDDP_CHECK`, catches that "
-    "earlier). Read once, when jaxddp's world starts; every rank must have the same value, "
+    "calls at the same point differ in count, dtype (as the caller asked: bfloat16 is not "
+    "float32), shape or op (`mean` is not `sum`), a call of no element included, each gets "
+    "an error naming both calls (jaxddp's signature check, `JAXDDP_CHECK`, catches that "
+    "earlier; see [Sharp bits](sharp-bits.md) for what is compared without it). Read once, when jaxddp's world starts; every rank must have the same value, "
     "or every rank raises `SettingError` naming each rank's.",
 )
 

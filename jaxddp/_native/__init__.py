@@ -58,7 +58,7 @@ import jax
 from .._base import mpi as _mpi
 from .._base import settings as _settings
 
-__all__ = ["TARGET", "agree", "allreduce_target", "share", "shared_calls", "status"]
+__all__ = ["TARGET", "agree", "allreduce_target", "share", "shared_calls", "shares", "status"]
 
 TARGET = "jaxddp_allreduce"
 _SOURCE = Path(__file__).with_name("allreduce.cc")
@@ -195,9 +195,10 @@ _KINDS = {
     "INT8_T": (2, 1), "INT16_T": (3, 1), "INT32_T": (4, 1), "INT64_T": (5, 1),
     "UINT8_T": (6, 1), "UINT16_T": (7, 1), "UINT32_T": (8, 1), "UINT64_T": (9, 1),
 }  # fmt: skip
-# The MPI window of that memory and the communicator's size; kept until the
-# process ends (never freed: the handler may use it until then).
-_shared: tuple[Any, int] | None = None
+# The MPI window of that memory, the communicator's size and its C handle; kept until the
+# process ends (never freed: the handler may use it until then). And whether it is on.
+_shared: tuple[Any, int, int] | None = None
+_shared_on = False
 
 
 def share(MPI: Any, comm: Any, one_node: bool) -> None:
@@ -248,14 +249,30 @@ def share(MPI: Any, comm: Any, one_node: bool) -> None:
         (ctypes.c_int64 * 3)(*[_mpi.c_handle(op) for op in (MPI.SUM, MPI.MAX, MPI.MIN)]),
     )
     _library.jaxddp_native_share_on(1)
-    _shared = (window, size)
+    _shared = (window, size, _mpi.c_handle(comm))
+    _set_on(True)
+
+
+def _set_on(on: bool) -> None:
+    global _shared_on
+    _shared_on = on
 
 
 def _share_on(on: bool) -> None:
     """Turns the shared-memory allreduce off and on again (benchmarks compare it with MPI's).
-    Every rank must do it at the same point, with no allreduce in flight."""
+    Every rank must do it at the same point, with no allreduce in flight. A program compiled
+    while it was on keeps floats' maxima and minima as floats (see :func:`shares`): run
+    through MPI, its NaN follows MPI's rule."""
     if _library is not None and _shared is not None:
         _library.jaxddp_native_share_on(int(on))
+        _set_on(on)
+
+
+def shares(comm_handle: int) -> bool:
+    """Whether jaxddp's handler reduces sums, maxima and minima over the communicator with
+    this C handle in shared memory (where a NaN on any rank is a maximum's or minimum's
+    result already, so the lowering sends floats as they are)."""
+    return _shared is not None and _shared_on and _shared[2] == comm_handle
 
 
 def shared_calls() -> list[int] | None:

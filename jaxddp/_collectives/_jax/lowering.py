@@ -106,10 +106,13 @@ def _floats(keys: Any, dtype: Any) -> Any:
     return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ flip, keys), dtype)
 
 
-def _ordered_as_keys(kind: str, params: dict[str, Any], aval: Any) -> bool | None:
+def _ordered_as_keys(kind: str, params: dict[str, Any], aval: Any, target: str) -> bool | None:
     """For a maximum (True) or minimum (False) of floats: whether the largest key wins;
-    None for any other call."""
+    None for any other call, and where jaxddp's handler reduces in shared memory (which
+    keeps a NaN itself: the conversions cost more there than the reduction)."""
     if kind not in ("allreduce", "reduce") or np.dtype(aval.dtype) not in _KEY_TYPES:
+        return None
+    if target == _native.TARGET and _native.shares(params["comm"].handle):
         return None
     from mpi4py import MPI
 
@@ -138,7 +141,7 @@ def emit(
     calls = params.get("calls") or ("",) * len(xs)
     outs = []
     for x, aval_in, aval_out, call in zip(xs, *avals, calls, strict=True):
-        largest = _ordered_as_keys(kind, params, aval_in)
+        largest = _ordered_as_keys(kind, params, aval_in, target)
         wire, wire_in, wire_out = x, aval_in, aval_out
         if largest is not None:
             wire_in = aval_in.update(dtype=_KEY_TYPES[np.dtype(aval_in.dtype)])
