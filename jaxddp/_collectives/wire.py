@@ -7,6 +7,7 @@ sharded optimizer, so that all send exactly the same messages.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import jax
@@ -155,12 +156,29 @@ def fused(
         wire[g[0]] if len(g) == 1 else jnp.concatenate([wire[i].ravel() for i in g]) for g in groups
     ]
     out: list[Any] = list(wire)  # empty leaves stay as they are
-    described = None if labels is None else [", ".join(labels[i] for i in g) for g in groups]
+    described = (
+        None if labels is None else [_short(", ".join(labels[i] for i in g)) for g in groups]
+    )
     for group, flat in zip(groups, _chunked(collective, buffers, described), strict=True):
         pieces = [flat] if len(group) == 1 else split(flat, [wire[i] for i in group])
         for i, piece in zip(group, pieces, strict=True):
             out[i] = piece
     return [from_wire(x, like.dtype, arithmetic) for x, like in zip(out, leaves, strict=True)]
+
+
+def _short(text: str, limit: int = 160) -> str:
+    """A buffer's description, at most ``limit`` characters (a compiled program holds one per
+    call): a long one is cut, with a digest of the whole, so two long ones still differ.
+
+    Example:
+      >>> _short("float32[3]"), len(_short("float32[3], " * 40))
+      ('float32[3]', 160)
+    """
+    if len(text) <= limit:
+        return text
+    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    tail = f"... ({len(text)} characters, {digest})"
+    return text[: limit - len(tail)] + tail
 
 
 def _chunked(
