@@ -17,8 +17,10 @@ its part into its own slot of an MPI shared-memory window, spins 50 µs, then sl
 futex until the last rank has copied (that rank rings once: one wake-up a call), and reduces
 every rank's slot in rank order, so every rank holds the same bits. A message larger than a
 slot goes through in turns. Where the ranks' calls at one point are all of this kind but
-differ (count, dtype or op), each rank gets an error naming both calls instead of a wrong
-sum; where one rank's call goes through MPI instead, they wait for each other as mismatched
+differ (count, dtype or op as sent, or the call as its caller made it: the op asked for, mean
+included, and every leaf's dtype and shape, a description the lowering attaches to each call;
+a call of no element takes part too), each rank gets an error naming both calls instead of a
+wrong sum; where one rank's call goes through MPI instead, they wait for each other as mismatched
 MPI calls do (jaxddp's signature check, ``JAXDDP_CHECK``, catches both before). The wait
 has no timeout, as a blocking collective has none: a rank that never comes is the stall
 inspector's to report. Whether a call goes this way depends only on its attributes
