@@ -93,7 +93,10 @@ def doctor(*, as_json: bool = False) -> int:
                 as_json=as_json,
                 printer=printer,
             )
-    mpi = MPIFacts(world.rank, world.size, world.local_rank, socket.gethostname(), os.getpid())
+    # the world chose the handler of jitted allreduces when it started: say which
+    facts = dataclasses.replace(facts, allreduce_handler=_native.status())
+    host, pid = socket.gethostname(), os.getpid()
+    mpi = MPIFacts(world.rank, world.size, world.local_rank, host, pid, list(world.node_ranks))
     row = RankRow(report, mpi, _texts(caught), _mpi4jax_status(facts.library))
     rows: list[RankRow] = _world.py_comm().gather(row, root=0) or []
     code = EXIT_OK
@@ -138,6 +141,7 @@ class MPIFacts:
     local_rank: int
     host: str
     pid: int
+    node_ranks: list[int]  # the world ranks on this rank's node (MPI's shared-memory split)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +278,7 @@ def _finish(
                 "exit_code": code,
                 **dataclasses.asdict(facts),
                 "mpi_world_size": first.size if first else None,
+                "nodes": _nodes(rows),
                 "ranks": [r.as_dict() for r in rows],
                 "problems": problems,
             }
@@ -317,6 +322,7 @@ def _text(rows: list[RankRow], facts: Facts, problems: list[str], verdict: str, 
             " " * 16,
         ),
         *wrap(f"allreduce:    {facts.allreduce_handler}", "  ", " " * 16),
+        *_node_lines(rows),
         *wrap(f"mpi4jax:      {first.mpi4jax.detail}", "  ", " " * 16),
         f"  {skip_name}: {skip if skip is not None else 'not set'}",
         "",
@@ -362,6 +368,23 @@ _PATH_TEXT = {
         "takes JAX's Python dispatch (tens of microseconds per argument and result leaf)."
     ),
 }
+
+
+def _nodes(rows: list[RankRow]) -> list[list[int]]:
+    """The world's ranks by node (MPI's shared-memory split), empty where MPI never started."""
+    nodes = {tuple(r.mpi.node_ranks) for r in rows if r.mpi is not None}
+    return [list(n) for n in sorted(nodes)]
+
+
+def _node_lines(rows: list[RankRow]) -> list[str]:
+    """``nodes: 2, ranks per node: 2, 2 (ranks 0, 1; ranks 2, 3)``; nothing without MPI."""
+    nodes = _nodes(rows)
+    if not nodes:
+        return []
+    counts = ", ".join(str(len(n)) for n in nodes)
+    members = "; ".join(f"ranks {', '.join(map(str, n))}" for n in nodes)
+    text = f"nodes:        {len(nodes)}, ranks per node: {counts} ({members})"
+    return _launcher.wrap(text, "  ", " " * 16)
 
 
 def _or_dash(value: object) -> str:

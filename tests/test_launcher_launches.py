@@ -259,6 +259,29 @@ def test_doctor_under_hydra_reports_both_ranks_once_from_rank_0():
         assert r["mpi4jax"]["usable"] is True
         assert "matches the MPI library loaded at run time" in r["mpi4jax"]["detail"]
     assert {"jax", "jaxlib", "mpi4py", "mpi4jax"} <= set(doc["versions"])
+    # the handler the world chose, not "not chosen yet", and the node layout
+    assert doc["allreduce_handler"].startswith("jaxddp's own on CPU"), doc["allreduce_handler"]
+    assert "the 2 ranks, all on this node, reduce sums" in doc["allreduce_handler"]
+    assert doc["nodes"] == [[0, 1]]
+    assert [r["mpi"]["node_ranks"] for r in doc["ranks"]] == [[0, 1], [0, 1]]
+
+
+def test_doctor_on_two_nodes_shows_the_handler_and_the_ranks_per_node():
+    # hydra's fork launcher with two host names: two nodes of one rank each, as MPI's
+    # shared-memory split sees them, so the handler reduces through MPI, not shared memory
+    result = run(
+        ["-m", "jaxddp", "doctor"],
+        mpiexec=default_mpiexec(),
+        python=sys.executable,
+        launcher_args=("-launcher", "fork", "-hosts", "n0:1,n1:1"),
+    )
+    assert result.ok, result.report()
+    text = flat(result.rank_logs["0"])
+    assert "not chosen yet" not in text
+    assert "allreduce: jaxddp's own on CPU" in text
+    assert "memory they share" not in text
+    assert "nodes: 2, ranks per node: 1, 1 (ranks 0; ranks 1)" in text
+    assert result.rank_logs["1"].strip() == ""
 
 
 def test_doctor_under_hydra_pmi_port_is_good():

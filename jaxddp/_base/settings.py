@@ -18,6 +18,7 @@ from collections.abc import Mapping
 
 __all__ = [
     "ABORT_ON_ERROR",
+    "AGREED",
     "CHECK",
     "CHECK_TIMEOUT",
     "NATIVE_ALLREDUCE",
@@ -34,6 +35,8 @@ __all__ = [
     "check_timeout",
     "check_trees",
     "native_allreduce",
+    "raw_value",
+    "read_agreed",
     "shared_allreduce",
     "skip_launcher_check",
     "stall_abort",
@@ -84,7 +87,9 @@ CHECK = Setting(
     "signature (tree, shapes, dtypes, `op`, `root`) and raises `TreeMismatchError` on every "
     "rank instead of reducing garbage, aborting in MPI or hanging. Under `jax.jit` it runs "
     "once per compilation; outside it, a few metrics travel with the check in one message "
-    "and larger data after it. Read once, at the first collective.",
+    "and larger data after it. Read once, at the first collective; when jaxddp's world "
+    "starts, every rank must have the same value, or every rank raises `SettingError` "
+    "naming each rank's.",
 )
 CHECK_TIMEOUT = Setting(
     "JAXDDP_CHECK_TIMEOUT",
@@ -135,7 +140,8 @@ NATIVE_ALLREDUCE = Setting(
     "`$XDG_CACHE_HOME`'s): its wait gives a shared core back to the Python thread instead of "
     "yielding it for whole time slices (see [Benchmarks](benchmarks/index.md)). Off, or where "
     "some rank cannot build or load it, every rank uses mpi4jax's handler; `jaxddp doctor` "
-    "says which. Read once, when jaxddp's world starts; every rank must agree, and does.",
+    "says which. Read once, when jaxddp's world starts; every rank must have the same value, "
+    "or every rank raises `SettingError` naming each rank's.",
 )
 SHARED_ALLREDUCE = Setting(
     "JAXDDP_SHARED_ALLREDUCE",
@@ -146,9 +152,11 @@ SHARED_ALLREDUCE = Setting(
     "shared-memory window of 2 MiB per rank, made when jaxddp's world starts) instead of "
     "through MPI: a rank copies its part in, sleeps until the last rank has copied, and adds "
     "every rank's part in rank order, so every rank holds the same bits. Where the ranks' "
-    "sums, maxima or minima at the same point differ in count, dtype or op, each gets an "
-    "error naming both calls (jaxddp's signature check, `JAXDDP_CHECK`, catches that "
-    "earlier). Read once, when jaxddp's world starts; off on one rank is off on all.",
+    "calls at the same point differ in count, dtype (as the caller asked: bfloat16 is not "
+    "float32), shape or op (`mean` is not `sum`), a call of no element included, each gets "
+    "an error naming both calls (jaxddp's signature check, `JAXDDP_CHECK`, catches that "
+    "earlier; see [Sharp bits](sharp-bits.md) for what is compared without it). Read once, when jaxddp's world starts; every rank must have the same value, "
+    "or every rank raises `SettingError` naming each rank's.",
 )
 
 SETTINGS = (
@@ -167,6 +175,11 @@ SETTINGS = (
 def _raw(setting: Setting, env: Mapping[str, str] | None) -> str:
     """The variable's value, stripped; ``""`` when unset or empty."""
     return (os.environ if env is None else env).get(setting.name, "").strip()
+
+
+def raw_value(setting: Setting, env: Mapping[str, str] | None = None) -> str:
+    """The variable's value as set, stripped; ``""`` when unset or empty."""
+    return _raw(setting, env)
 
 
 def _bad(setting: Setting, value: str) -> SettingError:
@@ -306,3 +319,25 @@ def startup_timeout(env: Mapping[str, str] | None = None) -> float:
     if value == "":
         return float(STARTUP_TIMEOUT.default)
     return _seconds(STARTUP_TIMEOUT, value, zero=False)
+
+
+# The settings that change what a collective sends or checks: where two ranks differ, their
+# collectives differ (a signature check on one rank only, a nonblocking allreduce against a
+# blocking one, shared memory against MPI) and the job hangs or reduces garbage. jaxddp's
+# world makes every rank agree on them when it starts (jaxddp._runtime.agreement).
+AGREED = (CHECK, NATIVE_ALLREDUCE, SHARED_ALLREDUCE)
+_READERS = {
+    CHECK.name: check_trees,
+    NATIVE_ALLREDUCE.name: native_allreduce,
+    SHARED_ALLREDUCE.name: shared_allreduce,
+}
+
+
+def read_agreed(setting: Setting, value: str) -> bool:
+    """What the raw ``value`` of one of :data:`AGREED` means (SettingError when nothing).
+
+    Example:
+      >>> read_agreed(CHECK, "off"), read_agreed(CHECK, "")
+      (False, True)
+    """
+    return _READERS[setting.name]({setting.name: value})

@@ -183,8 +183,8 @@ def reduce_all(
             leaves = _host.allreduce(leaves, mpi_op, host_comm)
     elif size > 1:
 
-        def reduce(buffers: list[jax.Array]) -> list[jax.Array]:
-            out = ops.allreduce_many(buffers, mpi_op, jax_comm)
+        def reduce(buffers: list[jax.Array], calls: list[str]) -> list[jax.Array]:
+            out = ops.allreduce_many(buffers, mpi_op, jax_comm, [f"{op} of {c}" for c in calls])
             if op != "mean":
                 return out
             # one division per buffer, before it is cut back into leaves
@@ -192,7 +192,9 @@ def reduce_all(
 
         leaves = [jnp.asarray(x) for x in leaves]
         dtypes = [x.dtype for x in leaves]
-        leaves = fused([_dtypes.widen(x, op) for x in leaves], reduce, arithmetic=True)
+        labels = [_signature.leaf_kind(x) for x in leaves]  # the dtypes asked for
+        leaves = [_dtypes.widen(x, op) for x in leaves]
+        leaves = fused(leaves, reduce, arithmetic=True, labels=labels)
         if op == "mean":  # integer and boolean leaves: their float32 mean
             leaves = [
                 x if jnp.issubdtype(x.dtype, jnp.inexact) else _dtypes.mean(x, size, d)

@@ -7,6 +7,7 @@ sharded optimizer, so that all send exactly the same messages.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import jax
@@ -131,37 +132,74 @@ def from_wire(x: Any, dtype: Any, arithmetic: bool) -> Any:
     return x.view(dtype) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, dtype)
 
 
-def fused(leaves: list[jax.Array], collective: Any, *, arithmetic: bool) -> list[jax.Array]:
+def fused(
+    leaves: list[jax.Array],
+    collective: Any,
+    *,
+    arithmetic: bool,
+    labels: list[str] | None = None,
+) -> list[jax.Array]:
     """Applies an elementwise collective to every leaf, in as few calls as ``plan`` says.
 
     ``collective`` takes the list of flat buffers and returns them reduced (or moved);
     ``arithmetic`` says whether it computes on the values (a reduction) or only moves them
-    (a broadcast), which decides how dtypes unknown to MPI travel.
+    (a broadcast), which decides how dtypes unknown to MPI travel. With ``labels`` (one per
+    leaf), ``collective`` also takes each buffer's description (its leaves' labels), and a
+    call whose leaves are all empty still makes one call, of no element, so that it meets
+    the other ranks' call at the same point.
     """
     wire = [to_wire(x, arithmetic) for x in leaves]
     groups = plan(wire)
+    if labels is not None and not groups and wire:
+        groups = [[0]]
     buffers = [
         wire[g[0]] if len(g) == 1 else jnp.concatenate([wire[i].ravel() for i in g]) for g in groups
     ]
     out: list[Any] = list(wire)  # empty leaves stay as they are
-    for group, flat in zip(groups, _chunked(collective, buffers), strict=True):
+    described = (
+        None if labels is None else [_short(", ".join(labels[i] for i in g)) for g in groups]
+    )
+    for group, flat in zip(groups, _chunked(collective, buffers, described), strict=True):
         pieces = [flat] if len(group) == 1 else split(flat, [wire[i] for i in group])
         for i, piece in zip(group, pieces, strict=True):
             out[i] = piece
     return [from_wire(x, like.dtype, arithmetic) for x, like in zip(out, leaves, strict=True)]
 
 
-def _chunked(collective: Any, buffers: list[jax.Array]) -> list[jax.Array]:
-    """``collective(buffers)``, with each buffer of more than :data:`MAX_COUNT` elements
-    cut into chunks that an MPI call can count, and put back together after."""
+def _short(text: str, limit: int = 160) -> str:
+    """A buffer's description, at most ``limit`` characters (a compiled program holds one per
+    call): a long one is cut, with a digest of the whole, so two long ones still differ.
+
+    Example:
+      >>> _short("float32[3]"), len(_short("float32[3], " * 40))
+      ('float32[3]', 160)
+    """
+    if len(text) <= limit:
+        return text
+    digest = hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+    tail = f"... ({len(text)} characters, {digest})"
+    return text[: limit - len(tail)] + tail
+
+
+def _chunked(
+    collective: Any, buffers: list[jax.Array], described: list[str] | None = None
+) -> list[jax.Array]:
+    """``collective(buffers)`` (with ``described``, when given), with each buffer of more
+    than :data:`MAX_COUNT` elements cut into chunks that an MPI call can count, and put
+    back together after."""
     bounds = [chunks(b.size) for b in buffers]
+
+    def call(pieces: list[jax.Array], texts: list[str]) -> Any:
+        return collective(pieces) if described is None else collective(pieces, texts)
+
     if all(len(b) == 1 for b in bounds):
-        return collective(buffers)
-    pieces = []
-    for b, spans in zip(buffers, bounds, strict=True):
+        return call(buffers, described or [])
+    pieces, texts = [], []
+    for k, (b, spans) in enumerate(zip(buffers, bounds, strict=True)):
         flat = b if len(spans) == 1 else b.ravel()
         pieces.extend([b] if len(spans) == 1 else [flat[i:j] for i, j in spans])
-    done = iter(collective(pieces))
+        texts.extend([described[k] if described else ""] * len(spans))
+    done = iter(call(pieces, texts))
     out = []
     for b, spans in zip(buffers, bounds, strict=True):
         parts = [next(done) for _ in spans]

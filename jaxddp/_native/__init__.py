@@ -17,8 +17,10 @@ its part into its own slot of an MPI shared-memory window, spins 50 µs, then sl
 futex until the last rank has copied (that rank rings once: one wake-up a call), and reduces
 every rank's slot in rank order, so every rank holds the same bits. A message larger than a
 slot goes through in turns. Where the ranks' calls at one point are all of this kind but
-differ (count, dtype or op), each rank gets an error naming both calls instead of a wrong
-sum; where one rank's call goes through MPI instead, they wait for each other as mismatched
+differ (count, dtype or op as sent, or the call as its caller made it: the op asked for, mean
+included, and every leaf's dtype and shape, a description the lowering attaches to each call;
+a call of no element takes part too), each rank gets an error naming both calls instead of a
+wrong sum; where one rank's call goes through MPI instead, they wait for each other as mismatched
 MPI calls do (jaxddp's signature check, ``JAXDDP_CHECK``, catches both before). The wait
 has no timeout, as a blocking collective has none: a rank that never comes is the stall
 inspector's to report. Whether a call goes this way depends only on its attributes
@@ -34,8 +36,8 @@ pointers), so one build serves either MPI.
 
 A nonblocking collective never matches a blocking one, so every rank must use the same
 handler: :func:`agree` (collective, when jaxddp's world starts) picks jaxddp's only where
-every rank could load it and none turned it off (``JAXDDP_NATIVE_ALLREDUCE``), else mpi4jax's
-everywhere; :func:`status` says which and why (``jaxddp doctor`` prints it). It is registered
+every rank could load it (``JAXDDP_NATIVE_ALLREDUCE`` is the same on every rank:
+``jaxddp._runtime.agreement`` refuses a job where it differs), else mpi4jax's everywhere; :func:`status` says which and why (``jaxddp doctor`` prints it). It is registered
 for CPU only, and used where a program is lowered for CPU alone (``_lowering.emit``); choosing
 it touches no JAX backend, so ``jaxddp.init()`` still comes before any JAX configuration.
 """
@@ -59,7 +61,7 @@ from .._base import mpi as _mpi
 from .._base import settings as _settings
 from .._types import Communicator
 
-__all__ = ["TARGET", "agree", "allreduce_target", "share", "shared_calls", "status"]
+__all__ = ["TARGET", "agree", "allreduce_target", "share", "shared_calls", "shares", "status"]
 
 TARGET = "jaxddp_allreduce"
 _SOURCE = Path(__file__).with_name("allreduce.cc")
@@ -190,14 +192,16 @@ def status() -> str:
 # holds): every dtype jaxddp sends as it is but bool, which jaxddp widens first.
 MAX_SHARED_RANKS = 8
 SLOT_BYTES = 1 << 20
+_TEXT_BYTES = 192  # per rank and slot: the description of its call (allreduce.cc's kTextBytes)
 _KINDS = {
     "FLOAT": (0, 1), "DOUBLE": (1, 1), "COMPLEX": (0, 2), "DOUBLE_COMPLEX": (1, 2),
     "INT8_T": (2, 1), "INT16_T": (3, 1), "INT32_T": (4, 1), "INT64_T": (5, 1),
     "UINT8_T": (6, 1), "UINT16_T": (7, 1), "UINT32_T": (8, 1), "UINT64_T": (9, 1),
 }  # fmt: skip
-# The MPI window of that memory and the communicator's size; kept until the
-# process ends (never freed: the handler may use it until then).
-_shared: tuple[Any, int] | None = None
+# The MPI window of that memory, the communicator's size and its C handle; kept until the
+# process ends (never freed: the handler may use it until then). And whether it is on.
+_shared: tuple[Any, int, int] | None = None
+_shared_on = False
 
 
 def share(MPI: Any, comm: Communicator, one_node: bool) -> None:
@@ -213,10 +217,10 @@ def share(MPI: Any, comm: Communicator, one_node: bool) -> None:
         return
     if not 1 < size <= MAX_SHARED_RANKS:
         return
-    # the setting may differ between ranks: off on one means off on all
+    # the ranks agreed on the setting at start-up (_runtime.agreement); LAND is a second guard
     if not comm.allreduce(_settings.shared_allreduce(), op=MPI.LAND):
         return
-    header = 64 + 64 * size
+    header = 64 + 64 * size + 2 * _TEXT_BYTES * size  # allreduce.cc: the bell, records, texts
     header += -header % 4096
     nbytes = header + 2 * size * SLOT_BYTES
     window = memory = None
@@ -248,14 +252,30 @@ def share(MPI: Any, comm: Communicator, one_node: bool) -> None:
         (ctypes.c_int64 * 3)(*[_mpi.c_handle(op) for op in (MPI.SUM, MPI.MAX, MPI.MIN)]),
     )
     _library.jaxddp_native_share_on(1)
-    _shared = (window, size)
+    _shared = (window, size, _mpi.c_handle(comm))
+    _set_on(True)
+
+
+def _set_on(on: bool) -> None:
+    global _shared_on
+    _shared_on = on
 
 
 def _share_on(on: bool) -> None:
     """Turns the shared-memory allreduce off and on again (benchmarks compare it with MPI's).
-    Every rank must do it at the same point, with no allreduce in flight."""
+    Every rank must do it at the same point, with no allreduce in flight. A program compiled
+    while it was on keeps floats' maxima and minima as floats (see :func:`shares`): run
+    through MPI, its NaN follows MPI's rule."""
     if _library is not None and _shared is not None:
         _library.jaxddp_native_share_on(int(on))
+        _set_on(on)
+
+
+def shares(comm_handle: int) -> bool:
+    """Whether jaxddp's handler reduces sums, maxima and minima over the communicator with
+    this C handle in shared memory (where a NaN on any rank is a maximum's or minimum's
+    result already, so the lowering sends floats as they are)."""
+    return _shared is not None and _shared_on and _shared[2] == comm_handle
 
 
 def shared_calls() -> list[int] | None:

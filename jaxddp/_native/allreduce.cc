@@ -24,6 +24,7 @@
 #include <ctime>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
@@ -103,8 +104,9 @@ ffi::Error wait(intptr_t* request) {
 }
 
 // The shared-memory allreduce. The memory: a 64-byte line holding the bell (a futex word
-// bumped when the last rank of a call arrives) and the count of ranks asleep on it, then a 64-byte Record per rank,
-// then per rank two slots of slot_bytes. Call (or chunk) k of a rank uses its slot k % 2: it
+// bumped when the last rank of a call arrives) and the count of ranks asleep on it, then a
+// 64-byte Record per rank, then per rank and slot kTextBytes of the call's description (for
+// the error message), then (from `data`, past the header) per rank two slots of slot_bytes. Call (or chunk) k of a rank uses its slot k % 2: it
 // writes that slot again at call k + 2, which it reaches only when every rank has arrived
 // at k + 1, i.e. has finished reading the slots of k.
 enum Kind : int32_t { kF32, kF64, kI8, kI16, kI32, kI64, kU8, kU16, kU32, kU64, kKinds };
@@ -113,14 +115,29 @@ constexpr const char* kKindNames[kKinds] = {"float32", "float64", "int8",   "int
                                             "int64",   "uint8",   "uint16", "uint32", "uint64"};
 constexpr const char* kOpNames[kOps] = {"sum", "max", "min"};
 constexpr int kMaxTypes = 16;
+constexpr int64_t kTextBytes = 192;  // jaxddp/_native/__init__.py's _TEXT_BYTES
 
-struct What {  // a call, as every rank must make it
-  int32_t kind, op;
-  int64_t nitems, first;
+// A call, as every rank must make it: what travels (kind, op, count, which chunk) and what
+// the call is to its caller (`call`: a hash of jaxddp's description of it, the op as the
+// caller asked, mean included, and the dtype and shape of every leaf packed in the buffer),
+// so that a bfloat16 leaf against a float32 one, a mean against a sum, or a complex64[5]
+// against a float32[10] differ although the same bytes of the same MPI type would travel.
+struct What {
+  int16_t kind, op;
+  uint32_t chunk;
+  int64_t nitems;
+  uint64_t call;
   bool operator!=(const What& o) const {
-    return kind != o.kind || op != o.op || nitems != o.nitems || first != o.first;
+    return kind != o.kind || op != o.op || chunk != o.chunk || nitems != o.nitems ||
+           call != o.call;
   }
 };
+
+uint64_t fnv1a(std::string_view text) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : text) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
 
 struct alignas(64) Record {  // one per rank, a cache line each
   std::atomic<uint32_t> arrival;  // the chunks this rank has copied its part of
@@ -133,6 +150,7 @@ struct Shared {
   std::atomic<uint32_t>* bell = nullptr;
   std::atomic<uint32_t>* sleepers = nullptr;
   Record* records = nullptr;
+  char* texts = nullptr;  // per rank and slot, kTextBytes: the call's description
   char* data = nullptr;
   int64_t slot_bytes = 0;
   intptr_t comm = 0;
@@ -230,10 +248,12 @@ void combine(int32_t kind, int32_t op, char* out, const char* in, int64_t n) {
 
 constexpr int64_t kWidths[kKinds] = {4, 8, 1, 2, 4, 8, 1, 2, 4, 8};
 
-std::string describe(const What& w) {
+std::string describe(const What& w, const char* text) {
   std::string out = std::to_string(w.nitems) + " " + kKindNames[w.kind] + " (" + kOpNames[w.op];
-  if (w.first != 0) out += ", the part from element " + std::to_string(w.first);
-  return out + ")";
+  if (w.chunk != 0) out += ", part " + std::to_string(w.chunk + 1);
+  out += ")";
+  if (text[0] != 0) out += std::string(": ") + text;
+  return out;
 }
 
 // The call as the shared-memory allreduce takes it (kind, op, items of that kind), or false
@@ -247,27 +267,36 @@ bool eligible(intptr_t comm, intptr_t op, intptr_t dtype, int64_t nitems, What* 
   for (int t = 0; t < shared.ntypes; ++t) {
     if (shared.types[t] != dtype) continue;
     if (shared.factors[t] != 1 && o != kSum) return false;  // complex: a sum only
-    *what = What{shared.kinds[t], o, nitems * shared.factors[t], 0};
+    *what = What{static_cast<int16_t>(shared.kinds[t]), static_cast<int16_t>(o), 0,
+                 nitems * shared.factors[t], 0};
     return true;
   }
   return false;
 }
 
-ffi::Error shared_allreduce(const char* in, char* out, What what) {
+// A call of no element takes part too (one empty chunk), so that it meets the other ranks'
+// call at the same point: against a call of some elements it is an error on every rank.
+ffi::Error shared_allreduce(const char* in, char* out, What what, std::string_view call) {
   std::lock_guard<std::mutex> hold(shared.lock);
   const int64_t width = kWidths[what.kind];
   const int64_t per_slot = shared.slot_bytes / width;
-  for (int64_t first = 0; first < what.nitems; first += per_slot) {
+  what.call = fnv1a(call);
+  const size_t shown = call.size() < kTextBytes - 1 ? call.size() : kTextBytes - 1;
+  int64_t first = 0;
+  do {
     const int64_t count = what.nitems - first < per_slot ? what.nitems - first : per_slot;
     const uint32_t arrival = ++shared.arrivals;
     const int parity = arrival & 1;
     auto slot = [&](uint32_t r) {
       return shared.data + (int64_t{r} * 2 + parity) * shared.slot_bytes;
     };
+    auto text = [&](uint32_t r) { return shared.texts + (int64_t{r} * 2 + parity) * kTextBytes; };
     Record& mine = shared.records[shared.rank];
-    what.first = first;
+    what.chunk = static_cast<uint32_t>(first / per_slot);
     mine.what[parity] = what;
-    std::memcpy(slot(shared.rank), in + first * width, count * width);
+    std::memcpy(text(shared.rank), call.data(), shown);
+    text(shared.rank)[shown] = 0;
+    if (count > 0) std::memcpy(slot(shared.rank), in + first * width, count * width);
     publish(arrival);
     await_all(arrival);
     for (uint32_t r = 0; r < shared.ranks; ++r) {
@@ -276,33 +305,36 @@ ffi::Error shared_allreduce(const char* in, char* out, What what) {
         return ffi::Error(
             ffi::ErrorCode::kFailedPrecondition,
             "jaxddp: the ranks called different allreduces at the same point: rank " +
-                std::to_string(shared.rank) + " reduces " + describe(what) + ", rank " +
-                std::to_string(r) + " reduces " + describe(theirs) +
+                std::to_string(shared.rank) + " reduces " + describe(what, text(shared.rank)) +
+                ", rank " + std::to_string(r) + " reduces " + describe(theirs, text(r)) +
                 ". Every rank must run the same collectives, with the same shapes and dtypes, "
                 "in the same order");
       }
     }
-    char* to = out + first * width;
-    std::memcpy(to, slot(0), count * width);
-    for (uint32_t r = 1; r < shared.ranks; ++r) combine(what.kind, what.op, to, slot(r), count);
-  }
+    if (count > 0) {
+      char* to = out + first * width;
+      std::memcpy(to, slot(0), count * width);
+      for (uint32_t r = 1; r < shared.ranks; ++r) combine(what.kind, what.op, to, slot(r), count);
+    }
+    first += per_slot;
+  } while (first < what.nitems);
   return ffi::Error::Success();
 }
 
 ffi::Error allreduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::Token>, int64_t comm, int64_t op, int64_t dtype,
-                     int64_t nitems) {
+                     int64_t nitems, std::string_view call) {
   if (iallreduce == nullptr || test == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "jaxddp's native allreduce was called before jaxddp configured it");
   }
-  if (nitems == 0) return ffi::Error::Success();
   What what;
   if (eligible(static_cast<intptr_t>(comm), static_cast<intptr_t>(op),
                static_cast<intptr_t>(dtype), nitems, &what)) {
     return shared_allreduce(static_cast<const char*>(x.untyped_data()),
-                            static_cast<char*>(y->untyped_data()), what);
+                            static_cast<char*>(y->untyped_data()), what, call);
   }
+  if (nitems == 0) return ffi::Error::Success();  // through MPI: nothing compared, as MPI's
   const size_t width = x.size_bytes() / x.element_count();
   const char* in = static_cast<const char*>(x.untyped_data());
   char* out = static_cast<char*>(y->untyped_data());
@@ -331,7 +363,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxddp_allreduce, allreduce,
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("op")
                                   .Attr<int64_t>("dtype")
-                                  .Attr<int64_t>("nitems"));
+                                  .Attr<int64_t>("nitems")
+                                  .Attr<std::string_view>("call"));
 
 extern "C" __attribute__((visibility("default"))) void jaxddp_native_configure(
     void* iallreduce_fn, void* test_fn) {
@@ -352,6 +385,7 @@ extern "C" __attribute__((visibility("default"))) void jaxddp_native_share(
   shared.bell = reinterpret_cast<std::atomic<uint32_t>*>(base);
   shared.sleepers = reinterpret_cast<std::atomic<uint32_t>*>(base + 4);
   shared.records = reinterpret_cast<Record*>(base + 64);
+  shared.texts = base + 64 + 64 * ranks;
   shared.data = static_cast<char*>(data);
   shared.slot_bytes = slot_bytes;
   shared.comm = static_cast<intptr_t>(comm);

@@ -23,6 +23,7 @@ from .._base import settings as _settings
 from .._types import Communicator
 from . import launcher as _launcher
 from . import watchdog as _watchdog
+from .agreement import agree_settings
 
 __all__ = [
     "World",
@@ -106,11 +107,13 @@ class World:
 
     def __init__(self, MPI: ModuleType) -> None:
         world = MPI.COMM_WORLD
+        agree_settings(world)  # before any collective: settings that change what they send
         self.rank: int = world.Get_rank()
         self.size: int = world.Get_size()
         node = world.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_rank: int = node.Get_rank()
         self.local_size: int = node.Get_size()
+        self.node_ranks: tuple[int, ...] = tuple(node.allgather(self.rank))  # in rank order
         node.Free()
         # Two private communicators: one for mpi4py calls made from Python, one for mpi4jax
         # calls made from compiled code. Sharing one between the two can mix up messages.

@@ -250,3 +250,106 @@ def test_ranks_that_call_different_allreduces_get_an_error_naming_both():
     np.testing.assert_array_equal(
         jax.jit(lambda x: jaxddp.allreduce(x, "sum"))(jnp.ones(2)), [size] * 2
     )
+
+
+def _everyone(value):
+    """Every rank's ``value``, in rank order (to assert on every rank alike)."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.allgather(value)
+
+
+def _nan_input(n, dtype=np.float32):
+    """A NaN on rank 0 at element 0 and on the last rank at element 1; else rank + 1."""
+    x = np.full(n, rank + 1.0, dtype)
+    x[0] = np.nan if rank == 0 else x[0]
+    x[1] = np.nan if rank == size - 1 else x[1]
+    return x
+
+
+_NAN_PATHS = [
+    "jit-shared",  # jaxddp's handler, in shared memory
+    "jit-mpi",  # jaxddp's handler, through MPI (where ranks span nodes)
+    "jit-mpi4jax",  # mpi4jax's handler (JAXDDP_NATIVE_ALLREDUCE=0, other platforms)
+    "eager-small",  # a few metrics: with the signature check, reduced by every rank
+    "eager-unchecked",  # the same without the check: one MPI Allreduce
+    "eager-large",  # 3.2 MB: an MPI Allreduce after the check
+    "eager-float64",
+    "reduce-eager",
+    "reduce-jit",
+]
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("path", _NAN_PATHS)
+def test_a_nan_on_any_rank_is_the_max_and_the_min_on_every_path(op, path, monkeypatch):
+    # one rule on every path, as np.maximum has it: MPI's MAX of a 3.2 MB float32 array
+    # with a NaN on rank 0 gave rank 1's 1.0
+    from jaxddp import _native
+    from jaxddp._collectives.api import reduce_all
+
+    n = {"eager-small": 3, "eager-unchecked": 3, "eager-large": 800_000}.get(path, 1000)
+    x = _nan_input(n, np.float64 if path == "eager-float64" else np.float32)
+    if path == "jit-mpi4jax":
+        monkeypatch.setattr(_native, "allreduce_target", lambda: None)
+    if path == "jit-mpi":
+        _native._share_on(False)
+    try:
+        if path.startswith("jit"):
+            f = jax.jit(lambda x: jaxddp.allreduce(x, op=op))
+            hlo = f.lower(jnp.asarray(x)).compile().as_text()
+            got = np.asarray(f(jnp.asarray(x)))
+            assert (_native.TARGET in hlo) == (path != "jit-mpi4jax")
+        elif path == "eager-unchecked":
+            got = reduce_all(x, op, check=False)
+        elif path == "reduce-eager":
+            got = jaxddp.reduce(x, op, root=0)
+        elif path == "reduce-jit":
+            got = np.asarray(jax.jit(lambda x: jaxddp.reduce(x, op, root=0))(jnp.asarray(x)))
+        else:
+            got = jaxddp.allreduce(x, op=op)
+    finally:
+        _native._share_on(True)
+    got = np.asarray(got)
+    want = size if op == "max" else 1.0
+    ok = bool(np.isnan(got[:2]).all() and (got[2:] == want).all())
+    if path.startswith("reduce") and rank != 0:
+        ok = bool(np.array_equal(got, x, equal_nan=True))  # its own values back
+    assert _everyone(ok) == [True] * size
+
+
+_MISMATCHES = {
+    # rank 0's leaf, every other rank's leaf, the op of rank 0 and of the others
+    "bfloat16-float32": (jnp.ones(3, jnp.bfloat16), jnp.ones(3, jnp.float32), "sum", "sum"),
+    "complex-float": (jnp.ones(5, jnp.complex64), jnp.ones(10, jnp.float32), "sum", "sum"),
+    "mean-sum": (jnp.ones(2, jnp.float32), jnp.ones(2, jnp.float32), "mean", "sum"),
+    "empty-five": (jnp.ones(0, jnp.float32), jnp.ones(5, jnp.float32), "sum", "sum"),
+}
+
+
+@pytest.mark.parametrize("case", list(_MISMATCHES))
+def test_unchecked_mismatches_in_shared_memory_are_an_error_on_every_rank(case):
+    # Without jaxddp's signature check (check=False, as JAXDDP_CHECK=0), the shared-memory
+    # allreduce compares the call as its caller made it: the dtype asked for, the op (mean
+    # included), the shape, and a call of no element takes part. These gave 3 against 3,
+    # 3+2j against [3, 2, ...], 1.5 against 3.0, and a hang.
+    from jaxddp._collectives.api import reduce_all
+
+    mine, others, op0, op = _MISMATCHES[case]
+    x, op = (mine, op0) if rank == 0 else (others, op)
+    f = jax.jit(lambda x: reduce_all(x, op, check=False))
+    try:
+        out = f(x).block_until_ready()
+        seen = f"no error: {np.asarray(out).tolist()}"
+    except Exception as error:  # noqa: BLE001 - compared on every rank below
+        seen = str(error)
+    everyone = _everyone(seen)
+    for text in everyone:
+        assert "called different allreduces" in text, everyone
+    expected = {"empty-five": "float32[0]", "mean-sum": "mean of float32[2]"}.get(case)
+    if expected is not None:
+        assert expected in everyone[0], everyone
+    # and the ranks go on in step
+    np.testing.assert_array_equal(
+        jax.jit(lambda x: jaxddp.allreduce(x, "sum"))(jnp.ones(2)), [size] * 2
+    )

@@ -1,9 +1,10 @@
 """Run on ranks: which allreduce handler the ranks agreed on, and its values.
 
-``split``: the launcher's rank 1 turns jaxddp's handler off before importing jaxddp, so the
-ranks disagree and must all fall back to mpi4jax's. ``split-shared``: rank 1 turns the
-shared-memory allreduce off, so every rank must reduce through MPI (one rank alone in shared
-memory would wait for ever). Prints one JSON line per rank.
+``split``, ``split-shared``, ``split-check``: the launcher's rank 1 turns jaxddp's handler,
+the shared-memory allreduce or the signature check off before importing jaxddp, so the ranks
+disagree on a setting that changes what a collective sends: every rank must raise the same
+SettingError when jaxddp's world starts, before any collective (printed as ``error``).
+Prints one JSON line per rank.
 """
 
 import json
@@ -16,6 +17,8 @@ if sys.argv[1] == "split" and launcher_rank() == "1":
     os.environ["JAXDDP_NATIVE_ALLREDUCE"] = "0"
 if sys.argv[1] == "split-shared" and launcher_rank() == "1":
     os.environ["JAXDDP_SHARED_ALLREDUCE"] = "0"
+if sys.argv[1] == "split-check" and launcher_rank() == "1":
+    os.environ["JAXDDP_CHECK"] = "off"
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +26,13 @@ import numpy as np
 
 import jaxddp
 from jaxddp import _native
+from jaxddp._base.settings import SettingError
 
-rank, size = jaxddp.rank(), jaxddp.world_size()
+try:
+    rank, size = jaxddp.rank(), jaxddp.world_size()
+except SettingError as error:
+    print(json.dumps({"error": str(error)}), flush=True)
+    sys.exit(0)
 x = jnp.arange(1000, dtype=jnp.float32) + rank
 f = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"))
 hlo = f.lower(x).compile().as_text()

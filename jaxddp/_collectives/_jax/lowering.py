@@ -4,34 +4,97 @@ the FFI target of its record (:mod:`.records`; jaxddp's own allreduce on CPU,
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax.core import ShapedArray
+from jax.interpreters import mlir
 
 from ... import _native
 from . import compat
-from .records import RECORDS
+from .records import RECORDS, Handle
 
 __all__ = ["emit", "out_avals"]
+
+
+# A maximum or minimum of floats travels as integers of the same width that order as the
+# floats do, a NaN beyond either end (see _keys): MPI's MAX and MIN of floats keep a NaN or
+# drop it depending on the MPI library and on which rank holds it, this keeps it on every
+# path (MPI, shared memory, either handler), as jnp.maximum and the host path do.
+_KEY_TYPES = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
+
+
+def _keys(x: Any, largest: bool) -> Any:
+    """Floats as integers of the same order: a negative float's bits below its sign
+    flipped; a NaN as the largest integer (``largest``, for a maximum) or the smallest."""
+    itype = _KEY_TYPES[np.dtype(x.dtype)]
+    info = np.iinfo(itype)
+    bits = jax.lax.bitcast_convert_type(x, itype)
+    keys = jnp.where(bits < 0, bits ^ itype(info.max), bits)
+    return jnp.where(jnp.isnan(x), itype(info.max if largest else info.min), keys)
+
+
+def _floats(keys: Any, dtype: Any) -> Any:
+    """What :func:`_keys` made, back as floats (a NaN's key back as a NaN)."""
+    flip = np.iinfo(keys.dtype).max
+    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ flip, keys), dtype)
+
+
+def _ordered_as_keys(kind: str, params: dict[str, Any], aval: Any, target: str) -> bool | None:
+    """For a maximum (True) or minimum (False) of floats: whether the largest key wins;
+    None for any other call, and where jaxddp's handler reduces in shared memory (which
+    keeps a NaN itself: the conversions cost more there than the reduction)."""
+    if kind not in ("allreduce", "reduce") or np.dtype(aval.dtype) not in _KEY_TYPES:
+        return None
+    if target == _native.TARGET and _native.shares(params["comm"].handle):
+        return None
+    from mpi4py import MPI
+
+    op = params["op"]
+    return True if op == Handle(MPI.MAX) else False if op == Handle(MPI.MIN) else None
+
+
+def _convert(ctx: Any, fn: Any, x: Any, aval_in: Any, aval_out: Any) -> Any:
+    sub = ctx.replace(avals_in=(aval_in,), avals_out=(aval_out,))
+    (out,) = mlir.lower_fun(fn, multiple_results=False)(sub, x)
+    return out
 
 
 def emit(
     ctx: Any, token: Any, xs: Sequence[Any], avals: tuple[Any, Any], *, kind: str, params: Any
 ) -> tuple[Any, list[Any]]:
-    """One side-effecting custom call per buffer, each taking the previous call's token."""
+    """One side-effecting custom call per buffer, each taking the previous call's token.
+
+    jaxddp's own handler also gets each call's description (``params["calls"]``, where the
+    caller gave them), which it compares across the ranks in shared memory."""
 
     record = RECORDS[kind]
     target = record.target
     if record.native and tuple(ctx.module_context.platforms) == ("cpu",):
         target = _native.allreduce_target() or target  # what every rank agreed on
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    calls = params.get("calls") or ("",) * len(xs)
     outs = []
-    for x, aval_in, aval_out in zip(xs, *avals, strict=True):
+    for x, aval_in, aval_out, call in zip(xs, *avals, calls, strict=True):
+        largest = _ordered_as_keys(kind, params, aval_in, target)
+        wire, wire_in, wire_out = x, aval_in, aval_out
+        if largest is not None:
+            wire_in = aval_in.update(dtype=_KEY_TYPES[np.dtype(aval_in.dtype)])
+            wire_out = aval_out.update(dtype=wire_in.dtype)
+            wire = _convert(ctx, functools.partial(_keys, largest=largest), x, aval_in, wire_in)
         token_aval = compat.abstract_token()
-        sub = ctx.replace(avals_in=(aval_in, token_aval), avals_out=(aval_out, token_aval))
-        out, token = rule(sub, x, token, **record.call_attrs(params, aval_in))
+        sub = ctx.replace(avals_in=(wire_in, token_aval), avals_out=(wire_out, token_aval))
+        attrs = record.call_attrs(params, wire_in)
+        if target == _native.TARGET:
+            attrs["call"] = call
+        out, token = rule(sub, wire, token, **attrs)
+        if largest is not None:
+            back = functools.partial(_floats, dtype=aval_out.dtype)
+            out = _convert(ctx, back, out, wire_out, aval_out)
         outs.append(out)
     return token, outs
 

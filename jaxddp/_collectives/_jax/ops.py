@@ -26,12 +26,19 @@ def _register_targets() -> None:
     import mpi4jax  # noqa: F401
 
 
-def allreduce_many(xs: Sequence[Any], op: Any, comm: Communicator) -> list[Any]:
-    """Allreduces each array of ``xs`` (dtypes MPI knows) with the MPI op ``op``."""
+def allreduce_many(
+    xs: Sequence[Any], op: Any, comm: Communicator, calls: Sequence[str] | None = None
+) -> list[Any]:
+    """Allreduces each array of ``xs`` (dtypes MPI knows) with the MPI op ``op``.
+
+    ``calls``: what each buffer is to the caller (the op asked for, the leaves packed in it),
+    which jaxddp's own handler compares across ranks."""
     if not xs:
         return []
     _register_targets()
-    return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm))
+    if calls is None:
+        return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm))
+    return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm), calls=tuple(calls))
 
 
 def bcast_many(xs: Sequence[Any], root: int, comm: Communicator) -> list[Any]:

@@ -170,8 +170,8 @@ def _reduce_tangents(
     return result
 
 
-def _allreduce_jvp(primals: Any, tangents: Any, *, op: Handle, comm: Handle) -> Any:
-    outs = allreduce_p.bind(*primals, op=op, comm=comm)
+def _allreduce_jvp(primals: Any, tangents: Any, *, op: Handle, comm: Handle, **calls: Any) -> Any:
+    outs = allreduce_p.bind(*primals, op=op, comm=comm, **calls)
     return outs, _reduce_tangents(primals, outs, tangents, op=op, comm=comm)
 
 
