@@ -26,7 +26,7 @@ from ..._collectives.consistency import TreeMismatchError, gather_with_deadline
 from ..._runtime import world as _world
 from .batches import Batch, StreamError, describe_difference, flatten
 from .state import StateMixin, get_state
-from .wire import BATCH, ENDED, FAILED, KINDS, abandoned, error_payload, wait, wire
+from .wire import BATCH, ENDED, FAILED, KINDS, Slot, abandoned, error_payload, wait, wire
 
 __all__ = ["DEPTH", "JoinedStream"]
 
@@ -84,11 +84,8 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         self._ended = False  # whether this rank yielded padding because its stream ended
         self._loaded: dict[str, Any] | None = None
         self._ahead: deque[_Ahead] = deque()  # steps steps+1, steps+2, ... read ahead
-        # their bytes in flight: (request, receive buffer); request None on a world of one
-        self._flags: deque[tuple[Any, np.ndarray]] = deque()
-        self._ring = [
-            (np.zeros(1, np.int8), np.zeros(self._size, np.int8)) for _ in range(DEPTH + 1)
-        ]  # the buffers of the bytes, reused in turn
+        self._flags: deque[Slot] = deque()  # their bytes in flight, oldest first
+        self._ring: list[Slot] = []  # the slots of the bytes, reused in turn
         self._reads = 0
         self._agreed: tuple[Any, Any] | None = None  # the treedef and leaf kinds
         self._description: tuple[str, list[Any]] | None = None
@@ -167,16 +164,10 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
             ahead = self._read()
             self._ahead.append(ahead)
             self._reads += 1
-            send, recv = self._ring[self._reads % len(self._ring)]  # free: DEPTH in flight
-            send[0] = ahead.status
-            if self._size == 1:
-                recv[0] = ahead.status
-                self._flags.append((None, recv))
-            else:
-                self._flags.append((wire(self._check).Iallgather(send, recv), recv))
-        request = self._flags[0][0]
-        if request is not None:
-            request.Test()  # moves every byte in flight along (MPI progresses in its calls)
+            slot = self._ring[self._reads % len(self._ring)]  # free: at most DEPTH in flight
+            slot.start(ahead.status)
+            self._flags.append(slot)
+        self._flags[0].test()  # moves every byte in flight along (MPI progresses in its calls)
 
     # -- the steps -------------------------------------------------------------------------
 
@@ -187,10 +178,10 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         if self._finished:
             raise StopIteration
         if self._started:
-            request, recv = self._flags.popleft()
-            if request is not None and not request.Test():
-                wait(request)
-            statuses = recv.tobytes()
+            slot = self._flags.popleft()
+            if not slot.test():
+                wait(slot)
+            statuses = slot.statuses.tobytes()
         else:
             statuses = self._start()
         if FAILED in statuses:
@@ -226,9 +217,9 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
     def _drain(self) -> None:
         """Completes every byte in flight (every rank has posted as many)."""
         while self._flags:
-            request, _ = self._flags.popleft()
-            if request is not None:
-                request.Wait()
+            wait(self._flags.popleft())
+        for slot in self._ring:
+            slot.free()
 
     def _finish(self) -> None:
         self._finished = self._ended = True  # a state saved now has nothing left to read
@@ -273,7 +264,9 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
             everyone = gather_with_deadline(
                 self._check, mine, what="first batches of `jaxddp.join`", error=TimeoutError
             )
-            wire(self._check)  # made here, where every rank is (a collective)
+        # the communicator of the bytes is made here, where every rank is (a collective)
+        comm = wire(self._check) if self._size > 1 else self._check
+        self._ring = [Slot(comm, tag) for tag in range(DEPTH + 1)]
         statuses = bytes(e[0] for e in everyone)
         if FAILED in statuses:
             self._raise([e[5] for e in everyone])
@@ -345,8 +338,8 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         exception, the others the same type for jaxddp's checks, else a RuntimeError."""
         self._finished = True
         problem = self._ahead[0].problem if self._ahead else None
+        self._drain()  # every byte in flight: every rank posted as many
         if payloads is None:  # every rank saw the failure at this step: all gather
-            self._drain()
             mine = None if problem is None else error_payload(problem)
             payloads = self._check.allgather(mine) if self._size > 1 else [mine]
         if problem is not None:
