@@ -281,7 +281,10 @@ def test_doctor_on_two_nodes_shows_the_handler_and_the_ranks_per_node():
     assert "allreduce: jaxddp's own on CPU" in text
     assert "memory they share" not in text
     assert "nodes: 2, ranks per node: 1, 1 (ranks 0; ranks 1)" in text
-    assert result.rank_logs["1"].strip() == ""
+    # only rank 0 speaks; between the two nodes MPICH goes through UCX, which may warn at
+    # MPI_Finalize about a message still unmatched at exit (not doctor's words)
+    said = [line for line in result.rank_logs["1"].splitlines() if "UCX  WARN" not in line]
+    assert "".join(said).strip() == ""
 
 
 def test_doctor_under_hydra_pmi_port_is_good():
