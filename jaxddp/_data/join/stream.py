@@ -310,6 +310,7 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
                 )
                 raise TreeMismatchError(msg)
         B = self._batch_size
+        assert B is not None
         self._full = _read_only(np.ones(B, np.bool_))
         self._empty = _read_only(np.zeros(B, np.bool_))
         mine = self._ahead[0].batch
@@ -342,6 +343,7 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         if payloads is None:  # every rank saw the failure at this step: all gather
             mine = None if problem is None else error_payload(problem)
             payloads = self._check.allgather(mine) if self._size > 1 else [mine]
+        assert payloads is not None
         if problem is not None:
             if isinstance(problem, StreamError):
                 raise problem.kind(str(problem))
