@@ -120,6 +120,8 @@ def main() -> None:
     loops = {"sampler": sampler_loop, "join": join_loop}
     for loop in loops.values():  # compile, warm up
         loop()
+    for times in cpu.values():
+        times.clear()
     samples: dict[str, list[float]] = {name: [] for name in loops}
     names = list(loops)
     for r in range(args.rounds):
@@ -131,10 +133,7 @@ def main() -> None:
     )
     # CPU seconds of this process (all its threads) per step: what join makes a rank do,
     # less moved by other processes on the machine than the wall clock
-    cpu_paired = statistics.median(
-        j - s
-        for j, s in zip(cpu["join"][-args.rounds :], cpu["sampler"][-args.rounds :], strict=True)
-    )
+    cpu_paired = statistics.median(j - s for j, s in zip(cpu["join"], cpu["sampler"], strict=True))
     leaves = len(jax.tree.leaves(params))
     row = {
         "ranks": size,
@@ -147,7 +146,7 @@ def main() -> None:
         "join_step_s": medians["join"],
         "join_adds_s": paired,
         "join_adds_share": paired / medians["sampler"],
-        "sampler_cpu_s": statistics.median(cpu["sampler"][-args.rounds :]),
+        "sampler_cpu_s": statistics.median(cpu["sampler"]),
         "join_adds_cpu_s": cpu_paired,
     }
     if rank == 0:

@@ -179,8 +179,7 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
             raise StopIteration
         if self._started:
             slot = self._flags.popleft()
-            if not slot.test():
-                wait(slot)
+            wait(slot)  # returns at its first look where the bytes are there (most steps)
             statuses = slot.statuses.tobytes()
         else:
             statuses = self._start()
