@@ -29,7 +29,7 @@ import numpy as np
 
 import jaxddp
 from jaxddp._collectives import api as _comm
-from jaxddp._training import checkpoint as _checkpoint
+from jaxddp._training.checkpoint import trees as _checkpoint_trees
 
 
 def make_state() -> dict:
@@ -75,7 +75,7 @@ def main() -> None:
     fns = {
         "orbax": orbax_save,
         "jaxddp": lambda step: ours.save(step, state),
-        "checksums": lambda step: rank == 0 and _checkpoint._checksums(state),
+        "checksums": lambda step: rank == 0 and _checkpoint_trees.checksums(state),
     }
     for step in range(args.repeats + 1):  # the first round warms up
         names = list(fns) if step % 2 == 0 else list(reversed(fns))

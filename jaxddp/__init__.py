@@ -28,8 +28,8 @@ from ._runtime.launcher import LauncherMismatchError as LauncherMismatchError
 from ._runtime.launcher import LauncherReport as LauncherReport
 from ._runtime.launcher import LauncherWarning as LauncherWarning
 from ._runtime.launcher import check_launcher as check_launcher
-from ._training.checkpoint import CheckpointManager as CheckpointManager
-from ._training.checkpoint import DamagedCheckpointError as DamagedCheckpointError
+from ._training.checkpoint.manager import CheckpointManager as CheckpointManager
+from ._training.checkpoint.manager import DamagedCheckpointError as DamagedCheckpointError
 from ._training.gradients import allreduce_gradients as allreduce_gradients
 from ._training.gradients import resolve_unused_parameters as resolve_unused_parameters
 from ._training.metrics import masked_mean as masked_mean

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._collectives import api as _comm
-from .._collectives.dtypes import is_key_dtype
-from .._types import PyTree
+from ..._collectives import api as _comm
+from ..._collectives.dtypes import is_key_dtype
+from ..._types import PyTree
 
 __all__ = [
     "METADATA_KEY",

@@ -21,11 +21,11 @@ from typing import Any, Self
 import jax
 import numpy as np
 
-from .._collectives import api as _comm
-from .._collectives import consistency as _consistency
-from .._runtime import world as _world
-from .._types import Communicator
-from .checkpoint_trees import (
+from ..._collectives import api as _comm
+from ..._collectives import consistency as _consistency
+from ..._runtime import world as _world
+from ..._types import Communicator
+from .trees import (
     METADATA_KEY,
     DamagedCheckpointError,
     check_matches,
