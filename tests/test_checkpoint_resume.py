@@ -1,4 +1,4 @@
-"""Checkpoints across real kills (issue 15): a job killed with SIGKILL resumes exactly, on
+"""Checkpoints across real kills: a job killed with SIGKILL resumes exactly, on
 the same and on another number of ranks, and a kill during a save loses nothing saved."""
 
 import os
@@ -93,7 +93,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_restorable(tmp_path
 def test_resumed_past_a_damaged_checkpoint_it_saves_that_step_anew_and_ends_as_uninterrupted(
     tmp_path, uninterrupted, killed_after_second_save
 ):
-    # Issue 43, case 2: the resumed run fell back to the older checkpoint, then died at its
+    # Before the fix, the resumed run fell back to the older checkpoint, then died at its
     # next save of the damaged step with Orbax's StepAlreadyExistsError.
     shutil.copytree(killed_after_second_save(2), tmp_path / "ckpt")
     data = max((p for p in (tmp_path / "ckpt" / "10").rglob("*") if p.is_file()),
