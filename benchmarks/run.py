@@ -419,7 +419,7 @@ def eager_markdown(parts: list[dict]) -> list[str]:
         "## Collectives outside jit",
         "",
         (
-            "`jaxddp.allreduce` of `{\"loss\": jnp.float32, \"accuracy\": jnp.float32}` and "
+            '`jaxddp.allreduce` of `{"loss": jnp.float32, "accuracy": jnp.float32}` and '
             "`jaxddp.masked_mean` of 256 float32 values with a boolean mask (jax arrays in, "
             "NumPy out) against mpi4py's `Allreduce` of the bytes jaxddp sends (2 float32 for "
             "the metrics; 2 float64 for `masked_mean`: the masked sum and the count), taking "
