@@ -110,7 +110,7 @@ def test_a_signal_to_another_rank_during_a_background_save_keeps_what_was_saved(
 def test_resumed_past_a_damaged_checkpoint_it_saves_that_step_anew_and_ends_as_uninterrupted(
     tmp_path, uninterrupted, killed_after_second_save
 ):
-    # Once, the resumed run fell back to the older checkpoint, then died at its
+    # Before the fix, the resumed run fell back to the older checkpoint, then died at its
     # next save of the damaged step with Orbax's StepAlreadyExistsError.
     shutil.copytree(killed_after_second_save(2), tmp_path / "ckpt")
     data = max((p for p in (tmp_path / "ckpt" / "10").rglob("*") if p.is_file()),

@@ -132,7 +132,7 @@ def test_a_checkpoint_of_another_state_is_a_clear_error_on_every_rank(directory,
     ids=["int-as-float", "float-as-int", "bool-as-int", "int-array", "float-array", "numpy"],
 )
 def test_a_target_of_another_dtype_is_refused_on_every_rank(directory, saved, target, names):
-    # Once, a float where an int was saved (a Python number) restored cast.
+    # Before the fix, a float where an int was saved (a Python number) restored cast.
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, {"x": saved})
         with pytest.raises(ValueError, match=f"restore checkpoint 1.*{names}"):
@@ -148,7 +148,7 @@ def test_an_unwritable_directory_is_an_error_on_every_rank(directory):
 
 
 def test_a_failed_save_leaves_every_rank_able_to_go_on_and_exit(directory):
-    # Once, a save that failed as the step's folder was made left Orbax's commit
+    # Before the fix, a save that failed as the step's folder was made left Orbax's commit
     # threads (not daemons) waiting for a signal, and rank 0 waited for them at exit.
     before = {t.ident for t in threading.enumerate()}
     with jaxddp.CheckpointManager(directory) as ckpt:

@@ -113,7 +113,7 @@ def _edit_metadata(directory, step, how):
     "how", ["cut in half", "without jaxddp's entry", "without the checksum of w"]
 )
 def test_a_step_without_its_checksums_is_damaged_and_never_restored_unverified(directory, how):
-    # Once, metadata cut in half and a flipped bit restored 2 wrong values of `w`
+    # Before the fix, metadata cut in half and a flipped bit restored 2 wrong values of `w`
     # on every rank, silently; so did valid metadata without jaxddp's entry.
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, _state(1))
@@ -152,7 +152,7 @@ def test_a_checkpoint_without_checksums_restores_only_when_asked_with_a_warning(
 
 
 def test_the_save_of_a_step_found_damaged_moves_it_aside_and_saves_anew(directory):
-    # Once, the resumed run's next save of the skipped step failed with Orbax's
+    # Before the fix, the resumed run's next save of the skipped step failed with Orbax's
     # StepAlreadyExistsError.
     with jaxddp.CheckpointManager(directory, max_to_keep=2) as ckpt:
         ckpt.save(1, _state(1))
