@@ -5,7 +5,9 @@ knows nothing of MPI): left alone, every rank believes it is the primary writer.
 first rank of the communicator does all file I/O with a single-process Orbax
 ``CheckpointManager``; the others wait for its outcome, an error included, so that every
 rank raises the same error and none waits forever. A restored state is read by that rank
-and broadcast, so the directory needs to be visible to it alone. Every saved array carries
+and broadcast, so the directory needs to be visible to it alone, unless the state holds a
+sharded optimizer's state (a ``ShardedState``): every rank writes and reads its own slices of
+it (``sharded.py``), in a directory every rank must see. Every saved array carries
 a CRC-32 of its bytes in the step's metadata; a restore verifies them on the reading rank
 before any rank uses the values, and a resume (``restore(None, ...)``) falls back to the
 newest intact checkpoint.
@@ -25,6 +27,8 @@ from ..._collectives import api as _comm
 from ..._collectives import consistency as _consistency
 from ..._runtime import world as _world
 from ..._types import Communicator
+from .sharded import description, remove_stale, restore_slices, save_slices, slices_folder
+from .slices import merge, split
 from .trees import (
     METADATA_KEY,
     DamagedCheckpointError,
@@ -57,7 +61,10 @@ class CheckpointManager:
     counter, PRNG keys (typed keys are stored as their key data and come back as keys of the
     target's kind). The ranks' states should be identical (after
     :func:`jaxddp.allreduce_gradients` and :func:`jaxddp.average_state` they are): the first
-    rank's is the one saved. Their structures are checked to match.
+    rank's is the one saved. Their structures are checked to match. A
+    :class:`jaxddp.ShardedState` (``shard_optimizer``'s, which differs from rank to rank) is
+    saved as it is: every rank writes its own slices, into a ``directory`` that every rank
+    must see (a shared file system); ``restore`` cuts them anew for any world size.
 
     Needs ``orbax-checkpoint`` (``pip install jaxddp[checkpoint]``).
 
@@ -155,13 +162,24 @@ class CheckpointManager:
         _consistency.check_same_tree(storable, what="checkpointed state", comm=self._user_comm)
         if step in self._damaged:
             self._replace_damaged(step)
+        # a ShardedState's slices: written by every rank, complete before Orbax lists the step
+        tree, pieces = split(storable)
+        entry: dict[str, Any] = {}
+        if pieces:
+            entry["slices"] = save_slices(
+                self._comm,
+                self.directory,
+                step,
+                pieces,
+                lambda: self._manager_or_raise().all_steps(),
+            )
 
         def write() -> None:
             manager = self._manager_or_raise()
-            metadata = {METADATA_KEY: {"crc32": checksums(storable)}}
+            metadata = {METADATA_KEY: {"crc32": checksums(tree), **entry}}
             try:
                 manager.save(
-                    step, args=ocp.args.StandardSave(storable), force=True, custom_metadata=metadata
+                    step, args=ocp.args.StandardSave(tree), force=True, custom_metadata=metadata
                 )
                 manager.wait_until_finished()
             except Exception as e:
@@ -169,6 +187,8 @@ class CheckpointManager:
                 # reports a full disk as a ValueError), a RuntimeError as documented
                 msg = f"{type(e).__name__}: {e}"
                 raise RuntimeError(msg) from e
+            with contextlib.suppress(OSError):  # slices of steps Orbax no longer keeps
+                remove_stale(self.directory, manager.all_steps())
 
         self._on_writer(write, f"save checkpoint {step} in {self.directory!r}")
 
@@ -184,6 +204,8 @@ class CheckpointManager:
             while os.path.lexists(aside):
                 aside, n = f"{folder}.damaged-{n}", n + 1
             os.rename(folder, aside)
+            if os.path.isdir(slices_folder(self.directory, step)):
+                os.rename(slices_folder(self.directory, step), f"{aside}.slices")
             manager.reload()
             return aside
 
@@ -251,6 +273,8 @@ class CheckpointManager:
             candidates = [_check_step(step)]
         storable_target = to_storable(target)
         _consistency.check_same_tree(storable_target, what="restore target", comm=self._user_comm)
+        storable_target, wanted = split(storable_target)  # a ShardedState's slices: below
+        arrays: list[Any] = []
 
         def read(step: int) -> Any:
             manager = self._manager_or_raise()
@@ -273,14 +297,19 @@ class CheckpointManager:
                 numbers=saved_numbers(metadata),
                 allow_missing=allow_missing_checksums,
             )
-            return restored, verified
+            return restored, verified, description(getattr(saved, "custom_metadata", None))
 
         for i, candidate in enumerate(candidates):
             try:
-                restored, verified = self._on_writer(
+                restored, verified, described = self._on_writer(
                     lambda s=candidate: read(s),
                     f"restore checkpoint {candidate} from {self.directory!r}",
-                ) or (None, None)
+                ) or (None, None, None)
+                if wanted:  # every rank reads its slices at this world size
+                    described = self._comm.bcast(described, root=_ROOT)
+                    arrays = restore_slices(
+                        self._comm, self.directory, candidate, described, wanted
+                    )
             except DamagedCheckpointError as e:
                 self._damaged.add(candidate)  # a save of this step replaces it
                 if i + 1 == len(candidates):
@@ -302,6 +331,7 @@ class CheckpointManager:
                 )
             values = restored if self._writer else storable_target
             values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
+            values = merge(values, wanted, arrays)
             return jax.tree_util.tree_map(restored_like, values, target)
         raise AssertionError  # unreachable: the last candidate returns or raises
 
