@@ -178,3 +178,14 @@ def test_a_directory_the_ranks_do_not_share_is_an_error_on_every_rank(directory,
         with pytest.raises(RuntimeError, match=r"does not see the folder .*1\.slices") as info:
             ckpt.restore(1, target)
         assert not isinstance(info.value, jaxddp.DamagedCheckpointError)
+
+
+def test_a_state_rebuilt_without_its_slicing_on_one_rank_is_refused_on_every_rank(directory):
+    tx = jaxddp.shard_optimizer(optax.adam(1e-2))
+    state = tx.init(PARAMS)
+    if rank == 0:
+        state = jaxddp.ShardedState(state.inner)
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        with pytest.raises(ValueError, match=r"on rank 0\).*does not say how it is sliced"):
+            ckpt.save(1, {"opt": state})
+        assert ckpt.all_steps() == []

@@ -27,8 +27,7 @@ from ..._collectives import api as _comm
 from ..._collectives import consistency as _consistency
 from ..._runtime import world as _world
 from ..._types import Communicator
-from .sharded import description, remove_stale, restore_slices, save_slices, slices_folder
-from .slices import merge, split
+from . import sharded
 from .trees import (
     METADATA_KEY,
     DamagedCheckpointError,
@@ -163,16 +162,9 @@ class CheckpointManager:
         if step in self._damaged:
             self._replace_damaged(step)
         # a ShardedState's slices: written by every rank, complete before Orbax lists the step
-        tree, pieces = split(storable)
-        entry: dict[str, Any] = {}
-        if pieces:
-            entry["slices"] = save_slices(
-                self._comm,
-                self.directory,
-                step,
-                pieces,
-                lambda: self._manager_or_raise().all_steps(),
-            )
+        tree, entry = sharded.save_slices(
+            self._comm, self.directory, step, storable, self._manager_or_raise
+        )
 
         def write() -> None:
             manager = self._manager_or_raise()
@@ -188,7 +180,7 @@ class CheckpointManager:
                 msg = f"{type(e).__name__}: {e}"
                 raise RuntimeError(msg) from e
             with contextlib.suppress(OSError):  # slices of steps Orbax no longer keeps
-                remove_stale(self.directory, manager.all_steps())
+                sharded.remove_stale(self.directory, manager.all_steps())
 
         self._on_writer(write, f"save checkpoint {step} in {self.directory!r}")
 
@@ -204,8 +196,8 @@ class CheckpointManager:
             while os.path.lexists(aside):
                 aside, n = f"{folder}.damaged-{n}", n + 1
             os.rename(folder, aside)
-            if os.path.isdir(slices_folder(self.directory, step)):
-                os.rename(slices_folder(self.directory, step), f"{aside}.slices")
+            if os.path.isdir(sharded.slices_folder(self.directory, step)):
+                os.rename(sharded.slices_folder(self.directory, step), f"{aside}.slices")
             manager.reload()
             return aside
 
@@ -273,8 +265,7 @@ class CheckpointManager:
             candidates = [_check_step(step)]
         storable_target = to_storable(target)
         _consistency.check_same_tree(storable_target, what="restore target", comm=self._user_comm)
-        storable_target, wanted = split(storable_target)  # a ShardedState's slices: below
-        arrays: list[Any] = []
+        storable_target, wanted = sharded.split_target(self._comm, storable_target)  # slices: below
 
         def read(step: int) -> Any:
             manager = self._manager_or_raise()
@@ -297,7 +288,7 @@ class CheckpointManager:
                 numbers=saved_numbers(metadata),
                 allow_missing=allow_missing_checksums,
             )
-            return restored, verified, description(getattr(saved, "custom_metadata", None))
+            return restored, verified, sharded.description(getattr(saved, "custom_metadata", None))
 
         for i, candidate in enumerate(candidates):
             try:
@@ -305,11 +296,9 @@ class CheckpointManager:
                     lambda s=candidate: read(s),
                     f"restore checkpoint {candidate} from {self.directory!r}",
                 ) or (None, None, None)
-                if wanted:  # every rank reads its slices at this world size
-                    described = self._comm.bcast(described, root=_ROOT)
-                    arrays = restore_slices(
-                        self._comm, self.directory, candidate, described, wanted
-                    )
+                arrays = sharded.restore_slices(  # every rank its own, at this world size
+                    self._comm, self.directory, candidate, described, wanted
+                )
             except DamagedCheckpointError as e:
                 self._damaged.add(candidate)  # a save of this step replaces it
                 if i + 1 == len(candidates):
@@ -331,7 +320,7 @@ class CheckpointManager:
                 )
             values = restored if self._writer else storable_target
             values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
-            values = merge(values, wanted, arrays)
+            values = sharded.merge(values, wanted, arrays)
             return jax.tree_util.tree_map(restored_like, values, target)
         raise AssertionError  # unreachable: the last candidate returns or raises
 

@@ -23,9 +23,18 @@ import numpy as np
 
 from ..._types import Communicator
 from . import slices
+from .slices import merge
 from .trees import METADATA_KEY, DamagedCheckpointError
 
-__all__ = ["description", "remove_stale", "restore_slices", "save_slices", "slices_folder"]
+__all__ = [
+    "description",
+    "merge",
+    "remove_stale",
+    "restore_slices",
+    "save_slices",
+    "slices_folder",
+    "split_target",
+]
 
 ROOT = 0  # the rank that writes with Orbax, makes and commits the folders
 _STALE = re.compile(r"(\d+)\.slices(\.tmp)?")
@@ -76,11 +85,26 @@ def _not_shared(who: int, what: str) -> RuntimeError:
     )
 
 
-def save_slices(comm: Communicator, directory: str, step: int, pieces: list[slices.Piece],
-                listed: Callable[[], Iterable[int]]) -> dict[str, Any] | None:  # fmt: skip
-    """Every rank's pieces written into ``<step>.slices``; collective. Returns, on the
-    first rank, the description for the step's metadata (None elsewhere). ``listed()`` (on
-    the first rank) gives the steps Orbax lists: a listed step is not saved again."""
+def split_target(comm: Communicator, storable: Any) -> tuple[Any, list[slices.Piece]]:
+    """:func:`.slices.split` of a restore target, its errors agreed; collective."""
+    return agree(comm, lambda: slices.split(storable), "restore into this target")
+
+
+def save_slices(comm: Communicator, directory: str, step: int, storable: Any,
+                manager: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """The state as Orbax saves it (:func:`.slices.split`), and for the step's metadata
+    entry, ``{"slices": description}`` (on the first rank; ``{}`` for a state without a
+    ShardedState) once every rank's slices are written into ``<step>.slices``; collective.
+    ``manager()`` (on the first rank) gives Orbax's manager: a step it lists is not saved
+    again."""
+    tree, pieces = agree(comm, lambda: slices.split(storable), f"save checkpoint {step}")
+    if not pieces:
+        return tree, {}
+    return tree, {"slices": _write(comm, directory, step, pieces, manager)}
+
+
+def _write(comm: Communicator, directory: str, step: int, pieces: list[slices.Piece],
+           manager: Callable[[], Any]) -> dict[str, Any] | None:  # fmt: skip
     rank, size = comm.Get_rank(), comm.Get_size()
     first = rank == ROOT
     final = slices_folder(directory, step)
@@ -90,7 +114,7 @@ def save_slices(comm: Communicator, directory: str, step: int, pieces: list[slic
     def prepare() -> None:
         if not first:
             return
-        if step in set(listed()):
+        if step in set(manager().all_steps()):
             msg = f"Checkpoint for step {step} already exists."  # Orbax's words
             raise RuntimeError(msg)
         for stale in (tmp, final):  # a save cut short, or that failed
@@ -147,8 +171,11 @@ def remove_stale(directory: str, steps: Iterable[int]) -> None:
 def restore_slices(comm: Communicator, directory: str, step: int, meta: Any,
                    wanted: list[slices.Piece]) -> list[np.ndarray]:  # fmt: skip
     """This rank's slices of checkpoint ``step`` at the communicator's world size, read
-    and verified by every rank; collective. ``meta`` is the description saved in the step's
-    metadata (the same on every rank)."""
+    and verified by every rank; collective (nothing to do without ``wanted``, on every rank
+    alike). ``meta`` is the description saved in the step's metadata, on the first rank."""
+    if not wanted:
+        return []
+    meta = comm.bcast(meta, root=ROOT)
     rank, size = comm.Get_rank(), comm.Get_size()
     folder = slices_folder(directory, step)
     doing = f"restore the sharded optimizer's slices of checkpoint {step} from {directory!r}"
