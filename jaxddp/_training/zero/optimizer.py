@@ -97,7 +97,7 @@ jax.tree_util.register_pytree_with_keys(
 class ShardedOptimizer(optax.GradientTransformation):
     """What :func:`shard_optimizer` returns: an ``optax.GradientTransformation`` with two
     more methods, collective over the ranks, to turn its sharded state into the full one
-    (for a checkpoint any world size can restore) and back."""
+    (the unsharded optimizer's, the same on every rank) and back."""
 
     __slots__ = ()
 
@@ -295,8 +295,10 @@ def shard_optimizer(
 
     Returns:
       A :class:`ShardedOptimizer`: its state (a :class:`ShardedState`) differs from rank to
-      rank; ``tx.gather_state(state, params)`` gives the full one (for a checkpoint),
-      ``tx.shard_state(full, params)`` this rank's share of a full one.
+      rank. :class:`jaxddp.CheckpointManager` saves it as it is (every rank its slices) and
+      restores it into ``tx.init(params)`` at any world size. ``tx.gather_state(state,
+      params)`` gives the full one (the unsharded chain's), ``tx.shard_state(full, params)``
+      this rank's share of a full one.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxddp
@@ -306,7 +308,7 @@ def shard_optimizer(
       >>> updates, state = jax.jit(tx.update)({"w": jnp.ones(3), "frozen": None}, state, params)
       >>> bool((updates["frozen"] == 0).all())  # no gradient: no update, and no hang
       True
-      >>> full = tx.gather_state(state, params)  # for a checkpoint: the same on every rank
+      >>> full = tx.gather_state(state, params)  # the unsharded state, the same on every rank
       >>> state = tx.shard_state(full, params)  # this rank's share, at any world size
     """
     if not isinstance(inner, optax.GradientTransformation):
