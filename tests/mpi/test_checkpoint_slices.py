@@ -53,12 +53,29 @@ def _batch(step, comm):
     return jnp.asarray(x[rows]), jnp.asarray(y[rows])
 
 
-def _train(comm, tx, params, state, steps):
-    @jax.jit
-    def step(params, state, x, y):
-        updates, state = tx.update(jax.grad(_loss)(params, x, y), state, params)
-        return optax.apply_updates(params, updates), state
+_STEPS = {}  # (communicator's handle, sharded?) -> (tx, its jitted step): compiled once
 
+
+def _tools(comm, sharded=True):
+    key = (comm.py2f(), sharded)
+    if key not in _STEPS:
+        tx = (
+            jaxddp.shard_optimizer(optax.adam(1e-2), comm=comm)
+            if sharded
+            else optax.chain(jaxddp.allreduce_gradients(comm=comm), optax.adam(1e-2))
+        )
+
+        @jax.jit
+        def step(params, state, x, y):
+            updates, state = tx.update(jax.grad(_loss)(params, x, y), state, params)
+            return optax.apply_updates(params, updates), state
+
+        _STEPS[key] = tx, step
+    return _STEPS[key]
+
+
+def _train(comm, params, state, steps, sharded=True):
+    step = _tools(comm, sharded)[1]
     for s in steps:
         params, state = step(params, state, *_batch(s, comm))
     return params, state
@@ -82,22 +99,21 @@ def directory():
 
 def _resume(comm, directory):
     """Restores the newest checkpoint into ``tx.init(params)`` on ``comm`` and trains on."""
-    tx = jaxddp.shard_optimizer(optax.adam(1e-2), comm=comm)
+    tx = _tools(comm)[0]
     with jaxddp.CheckpointManager(directory, comm=comm) as ckpt:
         restored = ckpt.restore(None, {"params": PARAMS, "opt": tx.init(PARAMS)})
     assert restored["opt"].slicing.size == comm.Get_size()
     assert int(restored["opt"].inner[0].count) == FIRST
-    return _train(comm, tx, restored["params"], restored["opt"], range(FIRST, TOTAL))[0]
+    return _train(comm, restored["params"], restored["opt"], range(FIRST, TOTAL))[0]
 
 
 def test_a_sharded_state_saved_at_one_world_size_trains_on_at_any_other(directory):
-    ref = optax.chain(jaxddp.allreduce_gradients(comm=SELF), optax.adam(1e-2))
-    expected, _ = _train(SELF, ref, PARAMS, ref.init(PARAMS), range(TOTAL))
+    ref = _tools(SELF, sharded=False)[0]
+    expected, _ = _train(SELF, PARAMS, ref.init(PARAMS), range(TOTAL), sharded=False)
     pair, world = os.path.join(directory, "pair"), os.path.join(directory, "world")
 
     def save(comm, where):
-        tx = jaxddp.shard_optimizer(optax.adam(1e-2), comm=comm)
-        params, state = _train(comm, tx, PARAMS, tx.init(PARAMS), range(FIRST))
+        params, state = _train(comm, PARAMS, _tools(comm)[0].init(PARAMS), range(FIRST))
         with jaxddp.CheckpointManager(where, comm=comm) as ckpt:
             ckpt.save(FIRST, {"params": params, "opt": state})
 
