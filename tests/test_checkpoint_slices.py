@@ -259,3 +259,19 @@ def test_the_manager_saves_a_sharded_state_as_it_is_and_restores_it(tmp_path):
             ckpt.restore(3, {"params": PARAMS, "opt": tx.init(PARAMS)})["opt"], state
         )
     assert {"3.damaged", "3.damaged.slices"} <= set(os.listdir(tmp_path))
+
+
+def test_what_a_save_cut_short_leaves_is_never_listed_and_the_next_save_removes_it(tmp_path):
+    # a kill while the ranks wrote (a .tmp folder), or between the rename and Orbax's commit
+    # (slices of a step Orbax does not list)
+    tx = jaxddp.shard_optimizer(INNER)
+    with jaxddp.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, {"opt": tx.init(PARAMS)})
+        for name in ("2.slices.tmp", "3.slices"):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "rank-00000-of-00001.bin").write_bytes(b"half")
+        assert ckpt.all_steps() == [1]
+        ckpt.save(3, {"opt": tx.init(PARAMS)})  # the orphan of step 3 replaced
+        assert ckpt.all_steps() == [1, 3]
+        _assert_slices_equal(ckpt.restore(3, {"opt": tx.init(PARAMS)})["opt"], tx.init(PARAMS))
+    assert sorted(os.listdir(tmp_path)) == ["1", "1.slices", "3", "3.slices"]
