@@ -380,7 +380,8 @@ def lint(session: nox.Session) -> None:
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """The benchmark suite: allreduce against the MPI limit and peers, a train step, the
-    sampler, import time. Writes benchmarks/results/ (JSON, PNG, markdown) and the docs page.
+    sampler, import time. Writes benchmarks/results/ (JSON, PNG, markdown) and the docs' All
+    results page (docs/benchmarks/results.md).
 
     `nox -s bench -- --quick` runs a shorter version (2 ranks, fewer repeats).
     """

@@ -5,8 +5,9 @@
 (``-bind-to core``, MPICH's spelling, keeps each rank on a core of its own, as Open MPI's
 ``mpirun`` does by default: see benchmarks/run.py.)
 
-Three residual MLPs (issue #11): a first ``nnx.Linear(32, width)``, ``blocks`` residual
-blocks ``x + LayerNorm(relu(Linear(width, width)(x)))``, a final ``nnx.Linear(width, 10)``:
+Three residual MLPs (the models of the step benchmarks, also in ``bench_sharded.py`` and
+``bench_watchdog.py``): a first ``nnx.Linear(32, width)``, ``blocks`` residual blocks
+``x + LayerNorm(relu(Linear(width, width)(x)))``, a final ``nnx.Linear(width, 10)``:
 
 - 4 blocks of width 256: 20 parameter leaves, 1.10 MB of float32 gradients;
 - 24 blocks of width 64: 100 leaves, 0.42 MB;

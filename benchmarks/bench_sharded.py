@@ -10,7 +10,7 @@ The three residual MLPs of ``bench_nnx_step.py``, each trained the way the Flax 
 sample each per round (several steps, about a quarter of a second, per sample), as in
 ``bench_nnx_step.py``. Reported: the optimizer-state bytes each rank holds in each (and the
 bound, 1/W of the unsharded state plus the padding), the median step of each, their ratio
-(issue #25's limit: 1.15 at 2 ranks) and the median of the per-round ratios.
+(the target: at most 1.15 at 2 ranks) and the median of the per-round ratios.
 """
 
 from __future__ import annotations

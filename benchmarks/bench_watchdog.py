@@ -1,4 +1,4 @@
-"""What the stall inspector costs a step: the digits step and issue 11's three-model step,
+"""What the stall inspector costs a step: the digits step and the three residual MLPs' NNX step,
 with the inspector on (``JAXDDP_STALL_WARN=60``, the default) and off (``0``), interleaved.
 
     python benchmarks/bench_watchdog.py [--np 2] [--rounds 4] [--repeats 41] [--out FILE]

@@ -1,4 +1,4 @@
-"""Runs the whole benchmark suite and writes JSON, a PNG plot and a markdown table.
+"""Runs the whole benchmark suite and writes JSON, PNG plots and the All results page.
 
     python benchmarks/run.py [--quick] [--only SECTIONS] [--results benchmarks/results]
                              [--docs docs/benchmarks]
@@ -9,7 +9,11 @@ against a baseline measured in the same run. ``nox -s bench`` calls this.
 
 ``--only nnx-step,eager`` runs some sections (see SECTIONS) and takes the others from the
 ``results.json`` a previous run left in ``--results``, if any, before writing the pages;
-``--only ''`` runs nothing and writes the pages again from that file.
+``--only ''`` runs nothing and writes the page again from that file. The page is
+``results.md`` (``docs/benchmarks/results.md`` with ``--docs``): every table of the run, each
+under a short caption; the Methods page (``docs/benchmarks/methods.md``) defines the columns,
+and the Benchmarks page (``docs/benchmarks/index.md``, written by hand) picks the latest
+figures from this and other runs.
 The collective-path comparisons (``nnx-step``, ``eager``) launch each benchmark twice: as
 installed (the fast path) and with ``JAXDDP_TEST_COLLECTIVE_PATH=ordered`` (the ordered-effect
 path jaxddp used before, and still falls back to where the fast path is not proven).
@@ -50,7 +54,8 @@ SECTIONS = (
 )  # fmt: skip
 PEERS = frozenset({"jax_gloo", "jax_gloo_flat", "torch_gloo"})
 PATHS = ("fast", "ordered")  # values of JAXDDP_TEST_COLLECTIVE_PATH
-TARGET_SYNC_IN_LIMITS = 3.0  # issue #11: at 2 ranks a step's sync costs at most 3x the limit
+# the target for the three residual MLPs: at 2 ranks a step's sync costs at most 3x the limit
+TARGET_SYNC_IN_LIMITS = 3.0
 
 
 def mpi_run(
@@ -59,7 +64,8 @@ def mpi_run(
     # Each rank bound to a core (Open MPI's default; MPICH's mpiexec binds nothing unless
     # told): unbound ranks move between the two cores and their steps' spread grows, which
     # a synchronous step pays for. 2026-12-01, the 100-leaf NNX step on jax 0.12: sync added
-    # 3.43x the limit unbound, 1.6-3.4x in five of six runs bound (docs/benchmarks).
+    # 3.43x the limit unbound, 1.6-3.4x in five of six runs bound
+    # (benchmarks/results/HISTORY.md).
     command = [MPIEXEC, "-bind-to", "core", "-n", str(np_), sys.executable]
     command += [str(HERE / script), *args]
     env = dict(os.environ)
@@ -146,24 +152,25 @@ def _size(rows: list[dict], payload: str) -> int:
 
 def markdown(results: dict) -> str:
     parts = [
-        "## Results",
+        "# All results",
         "",
         (
-            f"Measured by `nox -s bench` on {results['machine']}. Medians; in brackets the ratio "
-            "to mpi4py's Allreduce of one flat buffer of the same size, measured in the same "
-            "launch. Lower is better."
+            f"Every table of the last `nox -s bench` run, on {results['machine']}. Medians; in "
+            "brackets the ratio to the limit (mpi4py's `Allreduce` of one flat buffer of the "
+            "same bytes, measured in the same launch). Lower is better. [Methods](methods.md) "
+            "says how each was measured; the [Benchmarks](index.md) page has the latest figures."
         ),
         "",
     ]
     for ranks in sorted({r["ranks"] for r in results.get("allreduce", [])}):
         parts += [
-            f"### Gradient allreduce, {ranks} ranks",
+            f"## Gradient allreduce, {ranks} ranks",
             "",
             table(results["allreduce"], ranks),
             "",
         ]
     if results.get("allreduce"):
-        parts += ["![allreduce](allreduce.png)", ""]
+        parts += ["![Gradient allreduce against the limit, by payload](allreduce.png)", ""]
     if results.get("nnx_step"):
         parts += nnx_step_markdown(results["nnx_step"])
     if results.get("eager"):
@@ -174,7 +181,7 @@ def markdown(results: dict) -> str:
         parts += join_markdown(results["join"])
     for step in results.get("step", []):
         parts += [
-            f"### Train step, {step['ranks']} ranks",
+            f"## Train step, {step['ranks']} ranks",
             "",
             (
                 "Forward, backward and adam in one jitted step, with "
@@ -197,7 +204,7 @@ def markdown(results: dict) -> str:
     if "sampler" in results:
         s = results["sampler"]
         parts += [
-            "### Sampler",
+            "## Sampler",
             "",
             (
                 "One epoch's indices for one of 4 replicas, against "
@@ -217,7 +224,7 @@ def markdown(results: dict) -> str:
     if "import" in results:
         imp = results["import"]
         parts += [
-            "### Import",
+            "## Import",
             "",
             (
                 f"`import jaxddp` {imp['import_jaxddp_s'] * 1e3:.0f} ms against "
@@ -252,36 +259,26 @@ def _floor_cells(case: dict | None) -> str:
 
 def nnx_step_markdown(parts: list[dict]) -> list[str]:
     lines = [
-        "### Train step, Flax NNX",
+        "## Train step, Flax NNX",
         "",
         (
-            "Issue #11's three residual MLPs (`nnx.Linear(32, width)`, `blocks` x "
-            "`x + LayerNorm(relu(Linear(width, width)(x)))`, `nnx.Linear(width, 10)`), trained "
-            "as the Flax docs show: `nnx.Optimizer(model, tx, wrt=nnx.Param)` and one `nnx.jit` "
-            "step, with `optax.adam(1e-3)` alone and with "
-            "`optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))`, "
-            f"{parts[0]['batch_per_rank']} samples per rank. The two steps and the limit "
-            "(mpi4py's `Allreduce` of one flat float32 buffer of the gradient bytes) take turns, "
-            f"{parts[0]['repeats']} rounds; a sample is several steps (about a quarter of a "
-            "second), shown per step. *Sync adds* is median(step with sync) - "
-            "median(step alone); in brackets, in units of the limit. *A sync point adds*: the "
-            "same for a step that allreduces only one float32 zero, the least any synchronous "
-            "step pays (each step then waits for the slowest rank's backward pass; on this "
-            "shared 2-core machine a step's time varies by milliseconds). *Beyond it*: what "
-            "the gradients cost on top of that, the part that moving their bytes adds, in units "
-            "of the limit (fast path). *Fast path*: jaxddp as "
-            "installed (its collectives are an effect-free primitive, the step keeps JAX's C++ "
-            "dispatch). *Ordered path*: the same with `JAXDDP_TEST_COLLECTIVE_PATH=ordered`, the "
-            "ordered-effect path of jaxddp <= 0.1 and mpi4jax (before). Each path is its own "
-            "launch, with its own limit; the step alone and the limit shown are the fast "
-            f"launch's. Target at 2 ranks: at most {TARGET_SYNC_IN_LIMITS:g}x the limit."
+            "The three residual MLPs of the step benchmark (`nnx.Linear(32, width)`, `blocks` x "
+            "`x + LayerNorm(relu(Linear(width, width)(x)))`, `nnx.Linear(width, 10)`) as the "
+            "Flax docs train them: `nnx.Optimizer` and one `nnx.jit` step, `optax.adam(1e-3)` "
+            "alone and chained after `jaxddp.allreduce_gradients()`, "
+            f"{parts[0]['batch_per_rank']} samples per rank, {parts[0]['repeats']} rounds. "
+            "*Sync adds*: median(step with sync) - median(step alone), in brackets in units of "
+            "the limit; *a sync point* and the two paths are defined in "
+            "[Methods](methods.md#train-steps). Each path is its own launch; the step alone and "
+            "the limit shown are the fast launch's. Target at 2 ranks: at most "
+            f"{TARGET_SYNC_IN_LIMITS:g}x the limit."
         ),
         "",
     ]
     for ranks, by_path in _by_ranks_and_path(parts).items():
         fast, ordered = by_path.get("fast"), by_path.get("ordered")
         lines += [
-            f"#### {ranks} ranks",
+            f"### {ranks} ranks",
             "",
             (
                 "| model | param leaves | grad bytes | step alone | the limit "
@@ -353,15 +350,14 @@ def plot_nnx_step(parts: list[dict], path: Path) -> None:
 
 def checkpoint_markdown(parts: list[dict]) -> list[str]:
     lines = [
-        "### Checkpoints",
+        "## Checkpoints",
         "",
         (
-            "A save of a training state (parameters and Adam's two moments, a sampler state, "
-            "a step counter) until it is complete on disk: `jaxddp.CheckpointManager.save` on "
-            "every rank (rank 0 writes, the others learn the outcome) against Orbax's own "
-            "`CheckpointManager` saving the same state in one process. Target: at most 1.2x. "
-            "jaxddp's save includes a CRC-32 of every array; the last column times that "
-            "hashing alone in the same rounds (target: at most 10% of the save)."
+            "A save of a training state (parameters, Adam's two moments, a sampler state, a "
+            "step counter) until it is complete on disk: `jaxddp.CheckpointManager.save` on "
+            "every rank (rank 0 writes) against Orbax's own `CheckpointManager` in one process. "
+            "Target: at most 1.2x. *Checksums*: the CRC-32 of every array, timed alone in the "
+            "same rounds (target: at most 10% of the save)."
         ),
         "",
         "| ranks | state | Orbax, one process | jaxddp, every rank | ratio | checksums |",
@@ -385,15 +381,14 @@ JOIN_TARGET_SHARE, JOIN_TARGET_S = 0.03, 50e-6  # at most 3% of the step and 50 
 
 def join_markdown(parts: list[dict]) -> list[str]:
     lines = [
-        "### Uneven streams: what `jaxddp.join` adds to a step",
+        "## Uneven streams: what `jaxddp.join` adds to a step",
         "",
         (
-            "A plain `jax.jit` + optax step of the smallest residual MLP (4 blocks of width "
-            "256: 20 parameter leaves, 1.1 MB of gradients), steps back to back, in a loop "
-            "over `jaxddp.join` of a per-rank stream against the same loop over "
-            "`DistributedSampler.batches`, alternating; medians of the per-round differences, "
-            "in wall time and in CPU time of a rank. Target: at most 3% of the step and at "
-            "most 50 us a step."
+            "The plain `jax.jit` + optax step of the 20-leaf residual MLP (4 blocks of width "
+            "256, 1.1 MB of gradients) in a loop over `jaxddp.join` of a per-rank stream and "
+            "in the same loop over `DistributedSampler.batches`, alternating; medians of the "
+            "per-round differences, in wall time and in CPU time of a rank. Target: at most 3% "
+            "of the step and at most 50 us a step."
         ),
         "",
         (
@@ -413,31 +408,35 @@ def join_markdown(parts: list[dict]) -> list[str]:
 
 
 def eager_markdown(parts: list[dict]) -> list[str]:
+    checked = any(k.endswith("_unchecked") for p in parts for k in p["medians_s"])
+    head = (
+        "| ranks | call | mpi4py, same bytes | least any API pays | jaxddp, eager "
+        "| jit, fast path | jit, ordered path (before) |"
+    )
+    if checked:  # results of a run before the signature check have no unchecked calls
+        head += " eager, no check | check costs |"
     lines = [
-        "### Collectives outside jit",
+        "## Collectives outside jit",
         "",
         (
-            "What a training loop calls on concrete values: `jaxddp.allreduce` of "
-            '`{"loss": jnp.float32, "accuracy": jnp.float32}` and `jaxddp.masked_mean` of 256 '
-            "float32 values with a boolean mask (jax arrays in, NumPy out), against mpi4py's "
-            "`Allreduce` of a preallocated buffer of the bytes jaxddp sends (2 float32 for the "
-            "metrics; 2 float64 for `masked_mean`: the masked sum in double precision and the "
-            "count), interleaved in one launch. For contrast the same calls under `jax.jit`, on "
-            "each collective path (each path its own launch; ratios against that launch's "
-            "mpi4py). Target: eager at most 3x mpi4py. *Least any API pays*: reading the "
-            "jax arrays into NumPy, packing one buffer and the same `Allreduce`, with no pytree "
-            "and no result arrays, timed in the same launch. *Eager* includes the signature "
-            "check every collective makes (the ranks agree on the tree, dtypes, `op` and "
-            "`root` before the data travel: one more 16-byte message); *no check* is the same "
-            "call with `JAXDDP_CHECK=0`, in the same rounds, and the last column the ratio "
-            "(target: at most 1.5x)."
+            '`jaxddp.allreduce` of `{"loss": jnp.float32, "accuracy": jnp.float32}` and '
+            "`jaxddp.masked_mean` of 256 float32 values with a boolean mask (jax arrays in, "
+            "NumPy out) against mpi4py's `Allreduce` of the bytes jaxddp sends (2 float32 for "
+            "the metrics; 2 float64 for `masked_mean`: the masked sum and the count), taking "
+            "turns in one launch; for contrast, the same calls under `jax.jit` on each "
+            "collective path, each path its own launch. Target: eager at most 3x mpi4py. "
+            "*Least any API pays* and the signature check are defined in "
+            "[Methods](methods.md#collectives-outside-jit)"
+            + (
+                "; *no check* is the same call with `JAXDDP_CHECK=0`, in the same rounds "
+                "(target for the check: at most 1.5x)."
+                if checked
+                else "."
+            )
         ),
         "",
-        (
-            "| ranks | call | mpi4py, same bytes | least any API pays | jaxddp, eager "
-            "| jit, fast path | jit, ordered path (before) | eager, no check | check costs |"
-        ),
-        "|---|---|---|---|---|---|---|---|---|",
+        head,
+        "|---" * (head.count("|") - 1) + "|",
     ]
     calls = (
         ("allreduce", "`allreduce` of 2 float32 scalars", "limit_f32x2", "2 float32"),
@@ -463,11 +462,11 @@ def eager_markdown(parts: list[dict]) -> list[str]:
             bare = f"{call}_eager_unchecked"
             unchecked = cell(base, bare) if bare in m else "—"
             costs = f"{m[f'{call}_eager'] / m[bare]:.2f}x" if bare in m else "—"
-            lines.append(
+            row = (
                 f"| {ranks} | {label} | {_us(m[limit])} ({sent}) | {least} | {eager} "
-                f"| {cell(fast, f'{call}_jit')} | {cell(ordered, f'{call}_jit')} "
-                f"| {unchecked} | {costs} |"
+                f"| {cell(fast, f'{call}_jit')} | {cell(ordered, f'{call}_jit')} |"
             )
+            lines.append(row + (f" {unchecked} | {costs} |" if checked else ""))
     lines.append("")
     return lines
 

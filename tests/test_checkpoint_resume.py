@@ -1,4 +1,4 @@
-"""Checkpoints across real kills (issue 15): a job killed with SIGKILL resumes exactly, on
+"""Checkpoints across real kills: a job killed with SIGKILL resumes exactly, on
 the same and on another number of ranks, and a kill during a save loses nothing saved."""
 
 import os
@@ -80,7 +80,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_restorable(tmp_path
     killed, _ = _run(tmp_path, "killed", 2, "--kill-during-save", "10", "--ballast-mb", "200")
     assert not killed.timed_out, killed.report()
     assert killed.returncode != 0
-    assert "killing rank 0 during save 10" in killed.rank_logs["0"]
+    assert "killing rank 0 with SIGKILL during save 10" in killed.rank_logs["0"]
     names = os.listdir(tmp_path / "ckpt")
     assert "5" in names
     assert "10" not in names  # only Orbax's unfinished temporary folder, if anything
@@ -90,10 +90,27 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_restorable(tmp_path
     _assert_close(_params(out), uninterrupted)
 
 
+def test_a_signal_to_another_rank_during_a_background_save_keeps_what_was_saved(
+    tmp_path, uninterrupted
+):
+    # rank 1 ends (SIGTERM) while rank 0 writes step 10 in the background: the launcher
+    # ends rank 0 mid-write; step 5 stays the newest complete checkpoint, and restorable
+    killed, _ = _run(tmp_path, "killed", 2, "--kill-during-save", "10", "--ballast-mb", "200",
+                     "--kill-rank", "1", "--signal", "TERM")  # fmt: skip
+    assert not killed.timed_out, killed.report()
+    assert killed.returncode != 0
+    assert "killing rank 1 with SIGTERM during save 10" in killed.rank_logs["1"]
+    assert "10" not in os.listdir(tmp_path / "ckpt")
+    resumed, out = _run(tmp_path, "resumed", 2, "--resume", "--ballast-mb", "200")
+    assert resumed.ok, resumed.report()
+    assert "resumed from step 5 on 2 ranks" in resumed.rank_logs["0"]
+    _assert_close(_params(out), uninterrupted)
+
+
 def test_resumed_past_a_damaged_checkpoint_it_saves_that_step_anew_and_ends_as_uninterrupted(
     tmp_path, uninterrupted, killed_after_second_save
 ):
-    # Issue 43, case 2: the resumed run fell back to the older checkpoint, then died at its
+    # Before the fix, the resumed run fell back to the older checkpoint, then died at its
     # next save of the damaged step with Orbax's StepAlreadyExistsError.
     shutil.copytree(killed_after_second_save(2), tmp_path / "ckpt")
     data = max((p for p in (tmp_path / "ckpt" / "10").rglob("*") if p.is_file()),

@@ -27,7 +27,7 @@ def sizes(w):
 
 
 def reference(n, w, *, seed=0, epoch=0, shuffle=True, drop_last=False):
-    """The issue's definition, literally: (order, padded order, per-rank shards, their masks).
+    """The sampler's specification, literally: (order, padded order, per-rank shards, their masks).
 
     The padded order is the order (cut to a multiple of W with drop_last) extended by
     wrapping around to s * W entries; rank r takes its entries r, r + W, r + 2W, ...

@@ -1,4 +1,4 @@
-"""The deadlock of issue 4 reproduced on 2 real ranks, and its fix.
+"""The deadlock of naively sharded data reproduced on 2 real ranks, and its fix.
 
 Sharding N = 7 naively gives rank 1 one batch fewer; with one allreduce per batch, rank 0
 waits forever for it. The watchdog catches that (the expected outcome here); the same loop

@@ -239,7 +239,8 @@ def test_a_rank_that_raises_before_importing_jaxddp(np):
 def healthy():
     """One job for the three healthy runs (``stall.py healthy``, each its own lines): a rank
     that catches a ``SystemExit`` and goes on, then 8 batches of 1 s each on the last rank,
-    then 6 s of jitted steps, under a 3 s warning (the ratio of the 2 s and 5 s these tests
+    then 6 s of jitted steps, then 5 s of waiting for a moving checkpoint write, under a 3 s
+    warning (the ratio of the 2 s and 5 s these tests
     used to wait through), with MPICH's sleeping waits. tests/conftest.py runs the three
     tests on one xdist worker."""
     env = dict(os.environ, JAXDDP_STALL_WARN="3")
@@ -265,6 +266,12 @@ def test_a_loop_of_jitted_steps_alone_gets_no_report(healthy):
     inspector must see that as progress."""
     for log in healthy.rank_logs.values():
         assert re.search(r"finished \d+ steps", log), healthy.report()
+
+
+def test_a_rank_waiting_for_a_checkpoint_write_that_moves_gets_no_report(healthy):
+    """Rank 0 waits 5 s (past the 3 s warning) for a write that keeps writing, the others
+    wait for it in a broadcast: the bytes growing count as progress."""
+    assert "waited 5 s for a moving write" in healthy.rank_logs["0"], healthy.report()
 
 
 def test_a_caught_sys_exit_followed_by_more_work_is_not_an_exit(healthy):

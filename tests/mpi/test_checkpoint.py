@@ -1,7 +1,6 @@
 """jaxddp.CheckpointManager on real ranks (2 and 4): one writer, every rank agrees."""
 
 import os
-import subprocess
 import tempfile
 import threading
 
@@ -14,6 +13,7 @@ from flax import nnx
 from mpi4py import MPI
 
 import jaxddp
+from tests.mpi.unwritable import make_unwritable
 
 MPI_SIZES = (2, 4)
 
@@ -132,7 +132,7 @@ def test_a_checkpoint_of_another_state_is_a_clear_error_on_every_rank(directory,
     ids=["int-as-float", "float-as-int", "bool-as-int", "int-array", "float-array", "numpy"],
 )
 def test_a_target_of_another_dtype_is_refused_on_every_rank(directory, saved, target, names):
-    # Issue 43, case 4: a float where an int was saved (a Python number) restored cast.
+    # Before the fix, a float where an int was saved (a Python number) restored cast.
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, {"x": saved})
         with pytest.raises(ValueError, match=f"restore checkpoint 1.*{names}"):
@@ -147,35 +147,21 @@ def test_an_unwritable_directory_is_an_error_on_every_rank(directory):
     assert "checkpoints" in str(info.value)
 
 
-def _make_unwritable(path, unwritable):
-    """On rank 0: makes ``path`` unwritable (``chattr +i``: root ignores permissions) or
-    writable again; returns, on every rank, whether a folder can be made there."""
-    writable = None
-    if rank == 0:
-        if os.geteuid() == 0:
-            subprocess.run(["chattr", "+i" if unwritable else "-i", path], check=False)
-        try:
-            os.chmod(path, 0o555 if unwritable else 0o755)
-            os.rmdir(tempfile.mkdtemp(dir=path))
-            writable = True
-        except OSError:
-            writable = False
-    return WORLD.bcast(writable)
-
-
 def test_a_failed_save_leaves_every_rank_able_to_go_on_and_exit(directory):
-    # Issue 43, case 3: a save that failed as the step's folder was made left Orbax's commit
+    # Before the fix, a save that failed as the step's folder was made left Orbax's commit
     # threads (not daemons) waiting for a signal, and rank 0 waited for them at exit.
     before = {t.ident for t in threading.enumerate()}
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, {"w": jnp.zeros(3)})
-        locked = not _make_unwritable(directory, True)
+        ckpt.wait_until_finished()  # on disk before the directory is locked
+        locked = not make_unwritable(directory, True)
         try:
             if locked:
+                ckpt.save(2, {"w": jnp.ones(3)})  # returns: the write fails in the background
                 with pytest.raises(RuntimeError, match=r"save checkpoint 2.*(ermission|permitted)"):
-                    ckpt.save(2, {"w": jnp.ones(3)})
+                    ckpt.wait_until_finished()
         finally:
-            assert _make_unwritable(directory, False)
+            assert make_unwritable(directory, False)
         if not locked:
             pytest.skip("cannot make a directory unwritable here")  # decided on rank 0 for all
         ckpt.save(2, {"w": jnp.ones(3)})  # goes on

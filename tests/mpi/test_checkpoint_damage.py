@@ -1,4 +1,4 @@
-"""A damaged checkpoint is never restored silently (issue 22, case 1), on real ranks.
+"""A damaged checkpoint is never restored silently, on real ranks.
 
 One flipped bit in a data file of the newest checkpoint used to restore without a word and
 end on another model; 64 bytes XORed gave a loss of nan. Every saved array now carries a
@@ -113,7 +113,7 @@ def _edit_metadata(directory, step, how):
     "how", ["cut in half", "without jaxddp's entry", "without the checksum of w"]
 )
 def test_a_step_without_its_checksums_is_damaged_and_never_restored_unverified(directory, how):
-    # Issue 43, case 1: metadata cut in half and a flipped bit restored 2 wrong values of `w`
+    # Before the fix, metadata cut in half and a flipped bit restored 2 wrong values of `w`
     # on every rank, silently; so did valid metadata without jaxddp's entry.
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, _state(1))
@@ -152,7 +152,7 @@ def test_a_checkpoint_without_checksums_restores_only_when_asked_with_a_warning(
 
 
 def test_the_save_of_a_step_found_damaged_moves_it_aside_and_saves_anew(directory):
-    # Issue 43, case 2: the resumed run's next save of the skipped step failed with Orbax's
+    # Before the fix, the resumed run's next save of the skipped step failed with Orbax's
     # StepAlreadyExistsError.
     with jaxddp.CheckpointManager(directory, max_to_keep=2) as ckpt:
         ckpt.save(1, _state(1))
@@ -184,8 +184,9 @@ def test_a_full_disk_during_a_save_is_a_runtime_error_on_every_rank():
         pytest.skip("mounting a small tmpfs needs root")  # the same decision on every rank
     try:
         with jaxddp.CheckpointManager(os.path.join(where, "ckpt")) as ckpt:
+            ckpt.save(1, {"w": jnp.arange(1_000_000, dtype=jnp.float32)})
             with pytest.raises(RuntimeError, match=r"save checkpoint 1.*No space left") as info:
-                ckpt.save(1, {"w": jnp.arange(1_000_000, dtype=jnp.float32)})
+                ckpt.wait_until_finished()
             assert not isinstance(info.value, ValueError)  # tensorstore's own type
     finally:
         WORLD.Barrier()

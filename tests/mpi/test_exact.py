@@ -1,4 +1,4 @@
-"""W ranks train exactly like one process (issue 14), on real ranks (2 and 4).
+"""W ranks train exactly like one process, on real ranks (2 and 4).
 
 The one-process reference runs on every rank itself, through the same code on
 ``MPI.COMM_SELF``: jaxddp with a world of one is plain JAX. A world of other size comes
@@ -24,7 +24,7 @@ size = jaxddp.world_size()
 SELF = MPI.COMM_SELF
 
 
-# ---- gradients through the collectives (Why, item 1) -------------------------------------
+# ---- gradients through the collectives ------------------------------------------------------
 
 
 def _squares(w, x, mask, comm=None):
@@ -105,7 +105,7 @@ def test_differentiating_a_broadcast_or_reduce_is_a_clear_error(name):
     assert np.all(np.isfinite(grad(jnp.ones(3))))
 
 
-# ---- a Flax NNX model, trained on W ranks and in one process (Done when) ------------------
+# ---- a Flax NNX model, trained on W ranks and in one process --------------------------------
 
 N, FEATURES, CLASSES, GLOBAL_BATCH, EPOCHS = 203, 5, 3, 16, 3
 
@@ -231,7 +231,7 @@ def test_a_run_resumed_on_half_as_many_ranks_ends_as_the_uninterrupted_run(stop_
     _assert_same_params(params, _train(MPI.COMM_WORLD)[0])
 
 
-# ---- batch norm over the global batch (the issue's next step) -----------------------------
+# ---- batch norm over the global batch -------------------------------------------------------
 
 
 class NormNet(nnx.Module):

@@ -72,7 +72,7 @@ def test_integer_mean_in_reduce_is_exact_on_root_and_leaves_the_others_alone(dty
 
 
 def test_the_reported_overflows():
-    # the issue's cases, 2 ranks' worth of values on every rank
+    # the reported cases, 2 ranks' worth of values on every rank
     cases = {"int8": 100, "uint8": 200, "int16": 30000, "int32": 2_000_000_000}
     for dtype, value in cases.items():
         leaf = np.array([value], dtype)

@@ -1,4 +1,4 @@
-"""grain and PyTorch's DataLoader feed jaxddp's shards (issue 24), on real ranks (2 and 4).
+"""grain and PyTorch's DataLoader feed jaxddp's shards, on real ranks (2 and 4).
 
 Written as the docs page "Bring your own model and data" shows. The one-process reference
 runs the same pipeline on ``MPI.COMM_SELF`` on every rank; ``HALF`` (the world split in two)

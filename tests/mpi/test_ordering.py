@@ -413,7 +413,8 @@ def test_the_users_own_mpi4jax_allreduce_on_their_communicator_in_the_same_step(
 
 @pytest.mark.parametrize("n", [10**5, 10**6, 10**7])
 def test_large_buffers_reduced_repeatedly_in_a_loop_every_element_checked(n):
-    # mpi4jax's issue #229 saw only the head of such a buffer come out right.
+    # https://github.com/mpi4jax/mpi4jax/issues/229 saw only the head of such a buffer come out
+    # right.
     @jax.jit
     def step(x):
         return jax.lax.fori_loop(0, 3, lambda i, v: jaxddp.allreduce(v, op="sum") - v, x)

@@ -1,4 +1,4 @@
-"""A rank whose batch is only padding contributes nothing and breaks nothing (issue 21).
+"""A rank whose batch is only padding contributes nothing and breaks nothing.
 
 The sampler gives rank ``j`` no real sample in the last batch when ``j >= N mod (W*B) > 0``:
 here ``N = 3*W*B + W//2`` (194 at 4 x 16, 193 at 2 x 32), so the upper half of the ranks

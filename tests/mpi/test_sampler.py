@@ -32,7 +32,7 @@ def flat(lists):
 
 
 def extended_order(n, *, seed, epoch, shuffle):
-    """The order of the issue, extended by wrapping around to ceil(N / W) * W entries."""
+    """The sampler's order, extended by wrapping around to ceil(N / W) * W entries."""
     order = (
         np.random.default_rng([seed, epoch]).permutation(n).tolist() if shuffle else list(range(n))
     )
@@ -116,7 +116,8 @@ def test_masked_mean_is_the_exact_mean_of_all_samples(n):
     np.testing.assert_allclose(whole, data.mean(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(columns, [data.mean(), 2 * data.mean()], rtol=1e-5, atol=1e-6)
     if n % size:
-        # without the mask, the wrapped duplicates bias the mean (PyTorch issue #25162)
+        # without the mask, the wrapped duplicates bias the mean
+        # (https://github.com/pytorch/pytorch/issues/25162)
         assert abs(unmasked - data.mean()) > 1e-6
 
 

@@ -1,6 +1,6 @@
 """Every collective's signature agreed across ranks: a rank passing another dtype, shape,
 tree, ``op`` or ``root`` is a TreeMismatchError on every rank, in and outside ``jax.jit``,
-never garbage, MPI's own "Message truncated" abort or a hang (issue #22)."""
+never garbage, MPI's own "Message truncated" abort or a hang."""
 
 import jax
 import jax.numpy as jnp

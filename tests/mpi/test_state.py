@@ -1,4 +1,4 @@
-"""Model state besides the parameters stays identical across ranks (issue 14, item 4)."""
+"""Model state besides the parameters stays identical across ranks."""
 
 import flax.linen as nn
 import jax

@@ -2,13 +2,15 @@
 
     python checkpointed_training.py DIR OUT [--resume] [--kill-after-save K]
                                             [--kill-during-save K --ballast-mb M]
+                                            [--kill-rank R] [--signal KILL|TERM]
 
 Every 5 steps (a batch boundary, mid-epoch too) it saves parameters, optimizer state, the
-sampler's state and the step. ``--kill-after-save K``: rank 0 sends itself SIGKILL right
-after the K-th save of this run. ``--kill-during-save K``: a thread of rank 0 sends SIGKILL
-as soon as Orbax's temporary folder of the K-th save appears (the state then carries M MB
-of ballast so that the save takes a while). At the end rank 0 writes the parameters to OUT
-(.npz). The global batch is 16 on any number of ranks.
+sampler's state and the step, in the background (the manager's default). ``--kill-after-save
+K``: once the K-th save of this run is complete on disk, rank 0 sends itself SIGKILL.
+``--kill-during-save K``: a thread of rank R (0, the writer, by default) sends itself the
+signal as soon as Orbax's temporary folder of the K-th save appears, while the loop trains on
+(the state then carries M MB of ballast so that the save takes a while). At the end rank 0
+writes the parameters to OUT (.npz). The global batch is 16 on any number of ranks.
 """
 
 import argparse
@@ -37,8 +39,8 @@ class Net(nnx.Module):
         return self.head(jax.nn.relu(self.norm(self.inner(x))))
 
 
-def kill_when_saving(directory, step):
-    """SIGKILLs this process once Orbax's temporary folder for ``step`` exists."""
+def kill_when_saving(directory, step, rank, how):
+    """Sends this process ``how`` once Orbax's temporary folder for ``step`` exists."""
     prefix = f"{step}.orbax-checkpoint-tmp"
 
     def watch():
@@ -46,8 +48,9 @@ def kill_when_saving(directory, step):
             if os.path.isdir(directory) and any(
                 n.startswith(prefix) for n in os.listdir(directory)
             ):
-                print(f"killing rank 0 during save {step}", flush=True)
-                os.kill(os.getpid(), signal.SIGKILL)
+                print(f"killing rank {rank} with SIG{how} during save {step}", flush=True)
+                os.kill(os.getpid(), getattr(signal, f"SIG{how}"))
+                return
             time.sleep(0.001)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -61,6 +64,8 @@ def main():
     parser.add_argument("--kill-after-save", type=int, default=0)
     parser.add_argument("--kill-during-save", type=int, default=0)
     parser.add_argument("--ballast-mb", type=int, default=0)
+    parser.add_argument("--kill-rank", type=int, default=0)
+    parser.add_argument("--signal", choices=("KILL", "TERM"), default="KILL")
     args = parser.parse_args()
     rank, size = jaxddp.rank(), jaxddp.world_size()
 
@@ -89,8 +94,8 @@ def main():
         state = ckpt.restore(None, target=state)
         sampler.load_state_dict(state["sampler"])
         print(f"resumed from step {state['step']} on {size} ranks", flush=True)
-    if args.kill_during_save and rank == 0:
-        kill_when_saving(args.directory, args.kill_during_save)
+    if args.kill_during_save and rank == args.kill_rank:
+        kill_when_saving(args.directory, args.kill_during_save, rank, args.signal)
 
     params, opt_state, done, saves = state["params"], state["opt"], state["step"], 0
     first = sampler.epoch
@@ -105,6 +110,8 @@ def main():
                          "step": done, "ballast": ballast}  # fmt: skip
                 ckpt.save(done, state)
                 saves += 1
+                if saves == args.kill_after_save:
+                    ckpt.wait_until_finished()
                 if rank == 0 and saves == args.kill_after_save:
                     print(f"killing rank 0 after save {done}", flush=True)
                     os.kill(os.getpid(), signal.SIGKILL)

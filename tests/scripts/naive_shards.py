@@ -1,8 +1,9 @@
 """A 2-rank training loop over N = 7 samples with one allreduce per batch.
 
 ``naive``: rank r takes ``range(r*4, min((r+1)*4, 7))``, so rank 1 has 3 batches and rank 0
-has 4: rank 1 leaves the loop and rank 0 waits forever in its fourth allreduce (Flux.jl PR
-#2694). ``sampler``: the same loop over ``DistributedSampler.batches``, which finishes.
+has 4: rank 1 leaves the loop and rank 0 waits forever in its fourth allreduce (Flux.jl:
+https://github.com/FluxML/Flux.jl/pull/2694). ``sampler``: the same loop over
+``DistributedSampler.batches``, which finishes.
 
 Usage: ``python naive_shards.py naive|sampler``.
 """

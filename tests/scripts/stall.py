@@ -18,8 +18,10 @@ Python, so the extra leaf's collective deadlocks against it. Lines the tests loo
 import ctypes
 import os
 import runpy
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from mpi4py import MPI
 
 import jaxddp
 
@@ -88,6 +91,31 @@ def run_steps(seconds, params, opt_state):
     print(f"rank {rank} finished {steps} steps", flush=True)
 
 
+def wait_for_a_moving_write(seconds):
+    """Rank 0 waits ``seconds`` for a checkpoint write that keeps writing (as a
+    CheckpointManager waits for its save in flight: a real thread appending to a real file,
+    slower than any write Orbax makes of a test's state); the others wait in a broadcast."""
+    from jaxddp._training.checkpoint import background
+
+    if rank == 0:
+        folder = tempfile.mkdtemp(prefix="jaxddp-stall-write-")
+
+        def write():
+            end = time.monotonic() + seconds
+            os.mkdir(os.path.join(folder, "1.orbax-checkpoint-tmp-0"))  # as Orbax names it
+            with open(os.path.join(folder, "1.orbax-checkpoint-tmp-0", "part"), "ab") as f:
+                while time.monotonic() < end:
+                    f.write(b"x" * 4096)
+                    f.flush()
+                    time.sleep(0.05)
+
+        start = time.monotonic()
+        assert background.Write(1, write, folder, lambda e: "other").wait() is None
+        print(f"waited {time.monotonic() - start:.0f} s for a moving write", flush=True)
+        shutil.rmtree(folder)
+    MPI.COMM_WORLD.bcast(None)
+
+
 if mode == "steps":
     run_steps(seconds, params, opt_state)
     sys.exit(0)
@@ -127,3 +155,4 @@ if mode == "rank0_only" and rank == 0:
 print(f"rank {rank} finished", flush=True)
 if mode == "healthy":
     run_steps(float(sys.argv[3]), params, opt_state)
+    wait_for_a_moving_write(5.0)

@@ -123,7 +123,8 @@ class _PassSamples(grain.MapDataset):
 def _absl_flags_readable() -> None:
     """grain 0.2.18's ``mp_prefetch`` reads an absl flag, which raises
     ``UnparsedFlagAccessError`` in a program that does not run under ``absl.app`` when JAX
-    is imported (google/grain#1355, fixed after 0.2.18). Its defaults are read instead."""
+    is imported (https://github.com/google/grain/issues/1355, fixed after 0.2.18). Its
+    defaults are read instead."""
     from absl import flags
 
     if not flags.FLAGS.is_parsed():

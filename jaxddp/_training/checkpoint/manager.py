@@ -1,16 +1,18 @@
-"""Checkpoints every rank agrees on: written once with Orbax, restored everywhere.
+"""Checkpoints every rank agrees on: written once with Orbax, in the background, restored
+everywhere.
 
 Orbax knows processes through ``jax.process_index()``, which is 0 on every MPI rank (jax
 knows nothing of MPI): left alone, every rank believes it is the primary writer. Here the
 first rank of the communicator does all file I/O with a single-process Orbax
-``CheckpointManager``; the others wait for its outcome, an error included, so that every
-rank raises the same error and none waits forever. A restored state is read by that rank
-and broadcast, so the directory needs to be visible to it alone, unless the state holds a
-sharded optimizer's state (a ``ShardedState``): every rank writes and reads its own slices of
-it (``sharded.py``), in a directory every rank must see. Every saved array carries
-a CRC-32 of its bytes in the step's metadata; a restore verifies them on the reading rank
-before any rank uses the values, and a resume (``restore(None, ...)``) falls back to the
-newest intact checkpoint.
+``CheckpointManager``; the others learn its outcome, an error included, so that every rank
+raises the same error and none waits forever. A save copies the state to host memory and
+returns; the write goes on in a thread (:mod:`.background`) and the manager's next call, on
+every rank, waits for it and raises its error. A restored state is read by that rank and
+broadcast, so the directory needs to be visible to it alone (a ``ShardedState``'s slices
+excepted: every rank writes its own before ``save`` returns, :mod:`.sharded`). Every saved
+array carries a CRC-32 of its bytes in the step's metadata; a restore verifies them on the
+reading rank before any rank uses the values, and a resume (``restore(None, ...)``) falls
+back to the newest intact checkpoint.
 """
 
 from __future__ import annotations
@@ -27,17 +29,10 @@ from ..._collectives import api as _comm
 from ..._collectives import consistency as _consistency
 from ..._runtime import world as _world
 from ..._types import Communicator
+from . import background as _background
 from . import sharded
-from .trees import (
-    METADATA_KEY,
-    DamagedCheckpointError,
-    check_matches,
-    checksums,
-    restored_like,
-    saved_numbers,
-    to_storable,
-    verify,
-)
+from .steps import read_step, write_step
+from .trees import DamagedCheckpointError, restored_like, to_storable
 
 __all__ = ["CheckpointManager", "DamagedCheckpointError"]
 
@@ -50,20 +45,25 @@ class CheckpointManager:
     Used like Orbax's ``CheckpointManager``: ``save(step, state)``, ``latest_step()``,
     ``restore(step, target)``. Every method is collective over ``comm``: every rank calls
     it, in the same order. The first rank writes (Orbax's atomic finalize: a crash or a
-    ``kill -9`` during a save leaves the previous checkpoints intact and loadable); the others
-    wait and learn the outcome, so an error on the writer (an unwritable directory, a full
-    disk) is raised on every rank. ``restore`` reads on the first rank and broadcasts, so
-    every rank gets an identical state.
+    ``kill -9`` during a save leaves the previous checkpoints intact and loadable).
+
+    ``save`` returns once the writing rank holds its own copy of the state in host memory;
+    the write goes on in the background while the loop trains. At most one save is in
+    flight: the manager's next call (``save``, ``restore``, ``all_steps``,
+    ``latest_step``, :meth:`wait_until_finished`, ``close``) waits for it first, on every
+    rank, and raises its error there, on every rank, as the type a blocking save raises
+    (RuntimeError with the writer's message for the file system or Orbax). A save still in
+    flight at exit is waited for; if it failed, every rank prints why and the job ends with
+    status 1. ``background=False`` makes ``save`` return only when the checkpoint is
+    complete on disk. ``restore`` reads on the first rank and broadcasts, so every rank
+    gets an identical state.
 
     ``state`` is any pytree of arrays and numbers: parameters, optimizer state,
     ``nnx.state(model)``, a linen ``TrainState``, the sampler's ``state_dict()``, the step
     counter, PRNG keys (typed keys are stored as their key data and come back as keys of the
     target's kind). The ranks' states should be identical (after
     :func:`jaxddp.allreduce_gradients` and :func:`jaxddp.average_state` they are): the first
-    rank's is the one saved. Their structures are checked to match. A
-    :class:`jaxddp.ShardedState` (``shard_optimizer``'s, which differs from rank to rank) is
-    saved as it is: every rank writes its own slices, into a ``directory`` that every rank
-    must see (a shared file system); ``restore`` cuts them anew for any world size.
+    rank's is the one saved. Their structures are checked to match.
 
     Needs ``orbax-checkpoint`` (``pip install jaxddp[checkpoint]``).
 
@@ -72,6 +72,7 @@ class CheckpointManager:
       max_to_keep: how many of the newest checkpoints to keep; ``None`` keeps all.
       comm: an mpi4py communicator whose ranks share the state; by default the world. jaxddp
         talks on a private duplicate of it.
+      background: write in a background thread (the default), or in ``save`` itself.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, jaxddp
@@ -85,12 +86,18 @@ class CheckpointManager:
     """
 
     def __init__(self, directory: str | os.PathLike[str], *, max_to_keep: int | None = None,
-                 comm: Communicator | None = None) -> None:  # fmt: skip
+                 comm: Communicator | None = None, background: bool = True) -> None:  # fmt: skip
         if max_to_keep is not None and (
             isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
         ):
             msg = f"Expected `max_to_keep` to be a positive int or None, got {max_to_keep!r}."
             raise ValueError(msg)
+        if not isinstance(background, bool):
+            msg = f"Expected `background` to be True or False, got {background!r}."
+            raise TypeError(msg)
+        self._background = background
+        self._write: _background.Write | None = None  # the writer's save in flight
+        self._in_flight: int | None = None  # its step, on every rank
         self._user_comm = comm
         self._comm = _world.check_comm(comm)
         self._writer = self._comm.Get_rank() == _ROOT
@@ -145,20 +152,49 @@ class CheckpointManager:
             raise RuntimeError(msg)
         return self._manager
 
+    def _settle(self) -> None:
+        """Waits for the save in flight, if any, and raises its error on every rank."""
+        step = self._in_flight
+        if step is None:
+            return
+        error = self._write.wait() if self._write is not None else None
+        self._write, self._in_flight = None, None
+        _background.settled(self)
+        error = self._comm.bcast(error, root=_ROOT)
+        if error is not None:
+            kind, text = error
+            where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
+            msg = f"Could not save checkpoint {step} in {self.directory!r}{where}: {text}"
+            raise _ERRORS[kind](msg)
+
+    def _wait_alone(self) -> None:
+        """Waits for this rank's own write, talking to no other rank (an exception is on its
+        way out of this rank)."""
+        if self._write is not None:
+            self._write.wait()
+        self._write, self._in_flight = None, None
+        _background.settled(self)
+
     # -- the API -------------------------------------------------------------------------
 
     def save(self, step: int, state: Any) -> None:
-        """Writes ``state`` (the first rank's) as checkpoint ``step`` and waits until it is
-        complete on disk. Collective: every rank calls it, and gets the writer's error.
+        """Saves ``state`` (the first rank's) as checkpoint ``step``. Collective: every rank
+        calls it.
+
+        Returns once the writing rank holds a copy of the state in host memory (the loop may
+        then change or donate its arrays: what is written is what was passed); the write
+        goes on in the background. The previous save is waited for first, and its error, if
+        it failed, is raised here on every rank (this save is then not made). With
+        ``background=False``, returns when the checkpoint is complete on disk, or raises
+        its error on every rank.
 
         A step is saved once, except one that :meth:`restore` found damaged (and skipped):
         its folder is moved aside to ``<step>.damaged`` (named in a RuntimeWarning on every
         rank) and the step is saved anew."""
-        import orbax.checkpoint as ocp
-
         step = _check_step(step)
         storable = to_storable(state)
         _consistency.check_same_tree(storable, what="checkpointed state", comm=self._user_comm)
+        self._settle()
         if step in self._damaged:
             self._replace_damaged(step)
         # a ShardedState's slices: written by every rank, complete before Orbax lists the step
@@ -166,23 +202,29 @@ class CheckpointManager:
             self._comm, self.directory, step, storable, self._manager_or_raise
         )
 
-        def write() -> None:
+        def start() -> None:
             manager = self._manager_or_raise()
-            metadata = {METADATA_KEY: {"crc32": checksums(tree), **entry}}
-            try:
-                manager.save(
-                    step, args=ocp.args.StandardSave(tree), force=True, custom_metadata=metadata
+            if step in manager.all_steps():
+                msg = (
+                    f"checkpoint {step} exists already: a step is saved once (restore skips "
+                    "a damaged one, and its next save replaces it)."
                 )
-                manager.wait_until_finished()
-            except Exception as e:
-                # the state was checked above: what fails here is the writing (tensorstore
-                # reports a full disk as a ValueError), a RuntimeError as documented
-                msg = f"{type(e).__name__}: {e}"
-                raise RuntimeError(msg) from e
-            with contextlib.suppress(OSError):  # slices of steps Orbax no longer keeps
-                sharded.remove_stale(self.directory, manager.all_steps())
+                raise RuntimeError(msg)
+            host = _background.host_copy(tree)
+            self._write = _background.Write(
+                step, lambda: write_step(manager, step, host, entry), self.directory, _kind
+            )
 
-        self._on_writer(write, f"save checkpoint {step} in {self.directory!r}")
+        self._on_writer(start, f"save checkpoint {step} in {self.directory!r}")
+        self._in_flight = step
+        _background.in_flight(self)
+        if not self._background:
+            self._settle()
+
+    def wait_until_finished(self) -> None:
+        """Waits until the save in flight is complete on disk, on every rank; raises its
+        error, if it failed, on every rank. Collective."""
+        self._settle()
 
     def _replace_damaged(self, step: int) -> None:
         """Moves the folder of ``step``, found damaged, aside so that it can be saved anew."""
@@ -213,7 +255,9 @@ class CheckpointManager:
             )
 
     def all_steps(self) -> list[int]:
-        """The steps of the complete checkpoints, oldest first, the same on every rank."""
+        """The steps of the complete checkpoints, oldest first, the same on every rank (after
+        the save in flight is complete)."""
+        self._settle()
         steps = self._on_writer(
             lambda: sorted(self._manager_or_raise().all_steps()),
             f"list the checkpoints in {self.directory!r}",
@@ -254,8 +298,7 @@ class CheckpointManager:
             every rank, instead of calling it damaged. Checksums that are there are
             verified all the same.
         """
-        import orbax.checkpoint as ocp
-
+        self._settle()
         if step is None:
             candidates = self.all_steps()[::-1]
             if not candidates:
@@ -267,33 +310,12 @@ class CheckpointManager:
         _consistency.check_same_tree(storable_target, what="restore target", comm=self._user_comm)
         storable_target, wanted = sharded.split_target(self._comm, storable_target)  # slices: below
 
-        def read(step: int) -> Any:
-            manager = self._manager_or_raise()
-            # Compared before reading: a read that fails halfway leaves tensorstore
-            # callbacks for an event loop already closed ("Event loop is closed" on stderr).
-            metadata = _unreadable(step, "its metadata", lambda: manager.item_metadata(step))
-            if getattr(metadata, "tree", None) is not None:
-                check_matches(metadata, storable_target, step)
-            restored = _unreadable(
-                step,
-                "its arrays",
-                lambda: manager.restore(step, args=ocp.args.StandardRestore(storable_target)),
-            )
-            check_matches(restored, storable_target, step)
-            saved = _unreadable(step, "its checksums", lambda: manager.metadata(step))
-            verified = verify(
-                restored,
-                getattr(saved, "custom_metadata", None),
-                step,
-                numbers=saved_numbers(metadata),
-                allow_missing=allow_missing_checksums,
-            )
-            return restored, verified, sharded.description(getattr(saved, "custom_metadata", None))
-
         for i, candidate in enumerate(candidates):
             try:
                 restored, verified, described = self._on_writer(
-                    lambda s=candidate: read(s),
+                    lambda s=candidate: read_step(
+                        self._manager_or_raise(), s, storable_target, allow_missing_checksums
+                    ),
                     f"restore checkpoint {candidate} from {self.directory!r}",
                 ) or (None, None, None)
                 arrays = sharded.restore_slices(  # every rank its own, at this world size
@@ -325,12 +347,16 @@ class CheckpointManager:
         raise AssertionError  # unreachable: the last candidate returns or raises
 
     def close(self) -> None:
-        """Waits for Orbax and releases it; collective."""
-        if self._writer and self._manager is not None:
-            manager, self._manager = self._manager, None
-            self._on_writer(manager.close, "close the checkpoint manager")
-        else:
-            self._on_writer(lambda: None, "close the checkpoint manager")
+        """Waits for the save in flight and releases Orbax; collective. Raises the save's
+        error, if it failed, on every rank (Orbax is released all the same)."""
+        try:
+            self._settle()
+        finally:
+            if self._writer and self._manager is not None:
+                manager, self._manager = self._manager, None
+                self._on_writer(manager.close, "close the checkpoint manager")
+            else:
+                self._on_writer(lambda: None, "close the checkpoint manager")
 
     def __enter__(self) -> Self:
         return self
@@ -340,8 +366,9 @@ class CheckpointManager:
             self.close()
             return
         # An exception is propagating on this rank: no collective now (the other ranks may
-        # be elsewhere, and the exception must reach the fail-fast abort). Release Orbax
-        # here alone.
+        # be elsewhere, and the exception must reach the fail-fast abort). Finish this
+        # rank's write and release Orbax here alone.
+        self._wait_alone()
         if self._manager is not None:
             manager, self._manager = self._manager, None
             with contextlib.suppress(Exception):
@@ -351,7 +378,7 @@ class CheckpointManager:
         return f"jaxddp.CheckpointManager({self.directory!r})"
 
 
-def _kind(error: Exception) -> str:
+def _kind(error: BaseException) -> str:
     if isinstance(error, DamagedCheckpointError):
         return "damaged"
     return "invalid" if isinstance(error, ValueError) else "other"
@@ -362,17 +389,6 @@ _ERRORS: dict[str, type[Exception]] = {
     "invalid": ValueError,
     "other": RuntimeError,
 }
-
-
-def _unreadable(step: int, what: str, read: Any) -> Any:
-    """``read()``, with a failure reported as a damaged checkpoint (a target of another
-    structure is caught before, against the metadata: see ``restore``)."""
-    try:
-        return read()
-    except Exception as e:
-        first = (str(e).splitlines() or [""])[0][:300]  # tensorstore's spec follows: cut
-        msg = f"Checkpoint {step} is damaged: {what} cannot be read ({type(e).__name__}: {first})."
-        raise DamagedCheckpointError(msg) from e
 
 
 def _check_step(step: Any) -> int:

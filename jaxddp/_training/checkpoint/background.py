@@ -1,0 +1,154 @@
+"""A save in flight: the host copy it writes, the thread that writes it, and its outcome.
+
+The state is copied to host memory on the calling thread, before ``save`` returns, so that
+what is written is what was passed, whatever the loop does to its arrays afterwards (a
+donated buffer, an in-place update). The write runs on a daemon thread: the manager's next
+call, or :func:`settle_at_exit`, waits for it. While a rank waits, it counts the write's
+progress (the bytes in the checkpoint directory growing) for the stall inspector, so a long
+write that moves is not reported and one that does not move is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..._base import exit as _exit
+from ..._base import progress as _progress
+from ..._runtime import watchdog as _watchdog
+
+__all__ = ["Write", "host_copy", "in_flight", "settle_at_exit", "settled"]
+
+LOOK = 1.0  # seconds between two looks at the write's progress
+
+
+def _leaf_copy(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array):
+        host = np.asarray(leaf)  # a GPU's array: a fresh host copy; a CPU's: XLA's buffer
+        on_cpu = all(device.platform == "cpu" for device in leaf.devices())
+        return host.copy() if on_cpu else host
+    if isinstance(leaf, np.ndarray):
+        return leaf.copy()
+    return leaf  # Python numbers, NumPy scalars: immutable
+
+
+def host_copy(tree: Any) -> Any:
+    """``tree`` with every array leaf copied into host memory of its own."""
+    return jax.tree_util.tree_map(_leaf_copy, tree)
+
+
+class Write:
+    """One save's write, on a thread of its own; :meth:`wait` returns its error, if any, as
+    ``(kind, text)`` where ``kind`` names the type to raise (see the manager's ``_ERRORS``).
+
+    A second thread looks at the write's temporary folders once a second and counts each
+    change as progress for the stall inspector. The waiting thread itself blocks in one
+    ``join``: a wait that polled would look like progress, and a write that stopped would
+    never be reported."""
+
+    def __init__(self, step: int, work: Callable[[], None], watch: str,
+                 kind: Callable[[BaseException], str]) -> None:  # fmt: skip
+        self.step = step
+        self.error: tuple[str, str] | None = None
+        self._work, self._watch, self._kind = work, watch, kind
+        self._finished = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"jaxddp checkpoint {step}", daemon=True
+        )
+        self._thread.start()
+        threading.Thread(
+            target=self._count_progress, name=f"jaxddp checkpoint {step} progress", daemon=True
+        ).start()
+
+    def _run(self) -> None:
+        try:
+            self._work()
+        except BaseException as e:  # noqa: BLE001 - reported by wait(), on every rank
+            self.error = (self._kind(e), f"{type(e).__name__}: {e}")
+        finally:
+            self._finished.set()
+
+    def _count_progress(self) -> None:
+        seen = _bytes_under(self._watch)
+        while not self._finished.wait(LOOK):
+            now = _bytes_under(self._watch)
+            if now != seen:
+                seen = now
+                _progress.note(f"writing checkpoint {self.step}")
+
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def wait(self) -> tuple[str, str] | None:
+        """Waits for the write to end; returns its error, if any."""
+        self._thread.join()
+        return self.error
+
+
+def _bytes_under(folder: str) -> tuple[int, int]:
+    """(files, bytes) in the temporary folders of ``folder`` (Orbax's
+    ``<step>.orbax-checkpoint-tmp-*``, jaxddp's ``*.tmp``): they grow while a write moves,
+    and the complete checkpoints beside them are not walked."""
+    files = size = 0
+    temporaries: list[str] = []
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        temporaries = [e.path for e in entries if "tmp" in e.name]
+    for temporary in temporaries:
+        for root, _, names in os.walk(temporary):
+            for name in names:
+                with contextlib.suppress(OSError):
+                    size += os.stat(os.path.join(root, name)).st_size
+                    files += 1
+    return files, size
+
+
+# -- at exit: a save still in flight is waited for, and its error reported --------------
+
+_in_flight: list[Any] = []  # managers with a save in flight, in the order of their saves
+_registered = False
+
+
+def in_flight(manager: Any) -> None:
+    """Has :func:`settle_at_exit` wait for ``manager``'s save if it is still in flight at
+    exit. The handler runs where ``concurrent.futures`` stops taking work (the first thing
+    Python's shutdown does: Orbax and the checksums need its threads), so before it: in
+    ``threading``'s own exit hooks, which run last registered first; and so before every
+    ``atexit`` handler (jaxddp's world's, mpi4py's ``MPI_Finalize``)."""
+    global _registered
+    if not _registered:
+        register = getattr(threading, "_register_atexit", atexit.register)
+        register(settle_at_exit)
+        _registered = True
+    if manager not in _in_flight:
+        _in_flight.append(manager)
+
+
+def settled(manager: Any) -> None:
+    with contextlib.suppress(ValueError):
+        _in_flight.remove(manager)
+
+
+def settle_at_exit() -> None:
+    """Waits for every manager's save still in flight. On a normal exit every rank learns
+    its outcome (a collective, in the order the saves were made, the same on every rank); a
+    failed save is printed on every rank and ends the job with status 1. A rank leaving
+    with an error only waits for its own write: jaxddp's fail-fast abort ends the others."""
+    failing = _exit.nonzero() is not None or getattr(sys, "last_value", None) is not None
+    for manager in _in_flight:
+        if failing:
+            manager._wait_alone()
+            continue
+        try:
+            manager._settle()
+        except Exception as e:  # noqa: BLE001 - a failed save at exit ends the job
+            _watchdog.abort_job(
+                1, f"jaxddp: {type(e).__name__}: {e}\nEnding the job with status 1.\n"
+            )

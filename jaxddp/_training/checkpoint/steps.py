@@ -1,0 +1,78 @@
+"""What the writing rank does with Orbax for one step: write it (checksums first), read it
+back verified against its target and its checksums."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from .sharded import description, remove_stale
+from .trees import (
+    METADATA_KEY,
+    DamagedCheckpointError,
+    check_matches,
+    checksums,
+    saved_numbers,
+    verify,
+)
+
+__all__ = ["read_step", "write_step"]
+
+
+def write_step(manager: Any, step: int, host: Any, entry: dict[str, Any]) -> None:
+    """The write of a save, on the writer's background thread: checksums, then Orbax (with
+    ``entry`` in jaxddp's metadata: the description of a ShardedState's slices), then the
+    slices of the steps Orbax no longer lists are removed."""
+    import orbax.checkpoint as ocp
+
+    try:
+        metadata = {METADATA_KEY: {"crc32": checksums(host), **entry}}
+        manager.save(step, args=ocp.args.StandardSave(host), force=True, custom_metadata=metadata)
+        manager.wait_until_finished()
+    except Exception as e:
+        # the state was checked before: what fails here is the writing (tensorstore
+        # reports a full disk as a ValueError), a RuntimeError as documented
+        msg = f"{type(e).__name__}: {e}"
+        raise RuntimeError(msg) from e
+    with contextlib.suppress(OSError):
+        remove_stale(os.fspath(manager.directory), manager.all_steps())
+
+
+def read_step(manager: Any, step: int, storable_target: Any, allow_missing: bool) -> Any:
+    """``(restored, verified, slices)``: step ``step`` read into ``storable_target`` and
+    checked, and the description of its ShardedStates' slices (or None); raises
+    DamagedCheckpointError for what cannot be read or fails its checksums."""
+    import orbax.checkpoint as ocp
+
+    # Compared before reading: a read that fails halfway leaves tensorstore
+    # callbacks for an event loop already closed ("Event loop is closed" on stderr).
+    metadata = unreadable(step, "its metadata", lambda: manager.item_metadata(step))
+    if getattr(metadata, "tree", None) is not None:
+        check_matches(metadata, storable_target, step)
+    restored = unreadable(
+        step,
+        "its arrays",
+        lambda: manager.restore(step, args=ocp.args.StandardRestore(storable_target)),
+    )
+    check_matches(restored, storable_target, step)
+    saved = unreadable(step, "its checksums", lambda: manager.metadata(step))
+    verified = verify(
+        restored,
+        getattr(saved, "custom_metadata", None),
+        step,
+        numbers=saved_numbers(metadata),
+        allow_missing=allow_missing,
+    )
+    return restored, verified, description(getattr(saved, "custom_metadata", None))
+
+
+def unreadable(step: int, what: str, read: Any) -> Any:
+    """``read()``, with a failure reported as a damaged checkpoint (a target of another
+    structure is caught before, against the metadata: see ``restore``)."""
+    try:
+        return read()
+    except Exception as e:
+        first = (str(e).splitlines() or [""])[0][:300]  # tensorstore's spec follows: cut
+        msg = f"Checkpoint {step} is damaged: {what} cannot be read ({type(e).__name__}: {first})."
+        raise DamagedCheckpointError(msg) from e
