@@ -236,7 +236,7 @@ def test_the_manager_saves_a_sharded_state_as_it_is_and_restores_it(tmp_path):
         assert ckpt.all_steps() == [2, 3]
         restored = ckpt.restore(None, {"params": PARAMS, "opt": tx.init(PARAMS)})
         written = (tmp_path / "3.slices" / "rank-00000-of-00001.bin").read_bytes()
-        with pytest.raises(RuntimeError, match="step 3 already exists"):  # kept as it is
+        with pytest.raises(RuntimeError, match="checkpoint 3 exists already"):  # kept as it is
             ckpt.save(3, {"params": PARAMS, "opt": tx.init(PARAMS)})
         assert (tmp_path / "3.slices" / "rank-00000-of-00001.bin").read_bytes() == written
     # the slices of step 1 went with it, and no temporary folder stays

@@ -115,7 +115,10 @@ def _write(comm: Communicator, directory: str, step: int, pieces: list[slices.Pi
         if not first:
             return
         if step in set(manager().all_steps()):
-            msg = f"Checkpoint for step {step} already exists."  # Orbax's words
+            msg = (
+                f"checkpoint {step} exists already: a step is saved once (restore skips a "
+                "damaged one, and its next save replaces it)."
+            )
             raise RuntimeError(msg)
         for stale in (tmp, final):  # a save cut short, or that failed
             if os.path.lexists(stale):
