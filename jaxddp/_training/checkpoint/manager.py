@@ -8,10 +8,11 @@ first rank of the communicator does all file I/O with a single-process Orbax
 raises the same error and none waits forever. A save copies the state to host memory and
 returns; the write goes on in a thread (:mod:`.background`) and the manager's next call, on
 every rank, waits for it and raises its error. A restored state is read by that rank and
-broadcast, so the directory needs to be visible to it alone. Every saved array carries a
-CRC-32 of its bytes in the step's metadata; a restore verifies them on the reading rank
-before any rank uses the values, and a resume (``restore(None, ...)``) falls back to the
-newest intact checkpoint.
+broadcast, so the directory needs to be visible to it alone (a ``ShardedState``'s slices
+excepted: every rank writes its own before ``save`` returns, :mod:`.sharded`). Every saved
+array carries a CRC-32 of its bytes in the step's metadata; a restore verifies them on the
+reading rank before any rank uses the values, and a resume (``restore(None, ...)``) falls
+back to the newest intact checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..._collectives import consistency as _consistency
 from ..._runtime import world as _world
 from ..._types import Communicator
 from . import background as _background
+from . import sharded
 from .steps import read_step, write_step
 from .trees import DamagedCheckpointError, restored_like, to_storable
 
@@ -195,6 +197,10 @@ class CheckpointManager:
         self._settle()
         if step in self._damaged:
             self._replace_damaged(step)
+        # a ShardedState's slices: written by every rank, complete before Orbax lists the step
+        tree, entry = sharded.save_slices(
+            self._comm, self.directory, step, storable, self._manager_or_raise
+        )
 
         def start() -> None:
             manager = self._manager_or_raise()
@@ -204,9 +210,9 @@ class CheckpointManager:
                     "a damaged one, and its next save replaces it)."
                 )
                 raise RuntimeError(msg)
-            host = _background.host_copy(storable)
+            host = _background.host_copy(tree)
             self._write = _background.Write(
-                step, lambda: write_step(manager, step, host), self.directory, _kind
+                step, lambda: write_step(manager, step, host, entry), self.directory, _kind
             )
 
         self._on_writer(start, f"save checkpoint {step} in {self.directory!r}")
@@ -232,6 +238,8 @@ class CheckpointManager:
             while os.path.lexists(aside):
                 aside, n = f"{folder}.damaged-{n}", n + 1
             os.rename(folder, aside)
+            if os.path.isdir(sharded.slices_folder(self.directory, step)):
+                os.rename(sharded.slices_folder(self.directory, step), f"{aside}.slices")
             manager.reload()
             return aside
 
@@ -300,15 +308,19 @@ class CheckpointManager:
             candidates = [_check_step(step)]
         storable_target = to_storable(target)
         _consistency.check_same_tree(storable_target, what="restore target", comm=self._user_comm)
+        storable_target, wanted = sharded.split_target(self._comm, storable_target)  # slices: below
 
         for i, candidate in enumerate(candidates):
             try:
-                restored, verified = self._on_writer(
+                restored, verified, described = self._on_writer(
                     lambda s=candidate: read_step(
                         self._manager_or_raise(), s, storable_target, allow_missing_checksums
                     ),
                     f"restore checkpoint {candidate} from {self.directory!r}",
-                ) or (None, None)
+                ) or (None, None, None)
+                arrays = sharded.restore_slices(  # every rank its own, at this world size
+                    self._comm, self.directory, candidate, described, wanted
+                )
             except DamagedCheckpointError as e:
                 self._damaged.add(candidate)  # a save of this step replaces it
                 if i + 1 == len(candidates):
@@ -330,6 +342,7 @@ class CheckpointManager:
                 )
             values = restored if self._writer else storable_target
             values = _comm.broadcast(values, root=_ROOT, comm=self._user_comm)
+            values = sharded.merge(values, wanted, arrays)
             return jax.tree_util.tree_map(restored_like, values, target)
         raise AssertionError  # unreachable: the last candidate returns or raises
 

@@ -3,8 +3,11 @@ back verified against its target and its checksums."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any
 
+from .sharded import description, remove_stale
 from .trees import (
     METADATA_KEY,
     DamagedCheckpointError,
@@ -17,12 +20,14 @@ from .trees import (
 __all__ = ["read_step", "write_step"]
 
 
-def write_step(manager: Any, step: int, host: Any) -> None:
-    """The write of a save, on the writer's background thread: checksums, then Orbax."""
+def write_step(manager: Any, step: int, host: Any, entry: dict[str, Any]) -> None:
+    """The write of a save, on the writer's background thread: checksums, then Orbax (with
+    ``entry`` in jaxddp's metadata: the description of a ShardedState's slices), then the
+    slices of the steps Orbax no longer lists are removed."""
     import orbax.checkpoint as ocp
 
     try:
-        metadata = {METADATA_KEY: {"crc32": checksums(host)}}
+        metadata = {METADATA_KEY: {"crc32": checksums(host), **entry}}
         manager.save(step, args=ocp.args.StandardSave(host), force=True, custom_metadata=metadata)
         manager.wait_until_finished()
     except Exception as e:
@@ -30,11 +35,14 @@ def write_step(manager: Any, step: int, host: Any) -> None:
         # reports a full disk as a ValueError), a RuntimeError as documented
         msg = f"{type(e).__name__}: {e}"
         raise RuntimeError(msg) from e
+    with contextlib.suppress(OSError):
+        remove_stale(os.fspath(manager.directory), manager.all_steps())
 
 
 def read_step(manager: Any, step: int, storable_target: Any, allow_missing: bool) -> Any:
-    """``(restored, verified)``: step ``step`` read into ``storable_target`` and checked;
-    raises DamagedCheckpointError for what cannot be read or fails its checksums."""
+    """``(restored, verified, slices)``: step ``step`` read into ``storable_target`` and
+    checked, and the description of its ShardedStates' slices (or None); raises
+    DamagedCheckpointError for what cannot be read or fails its checksums."""
     import orbax.checkpoint as ocp
 
     # Compared before reading: a read that fails halfway leaves tensorstore
@@ -56,7 +64,7 @@ def read_step(manager: Any, step: int, storable_target: Any, allow_missing: bool
         numbers=saved_numbers(metadata),
         allow_missing=allow_missing,
     )
-    return restored, verified
+    return restored, verified, description(getattr(saved, "custom_metadata", None))
 
 
 def unreadable(step: int, what: str, read: Any) -> Any:

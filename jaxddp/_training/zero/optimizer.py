@@ -13,7 +13,8 @@ elements per dtype).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,22 +29,75 @@ from ..gradients import check_flag, filled
 from .check import check_elementwise
 from .slices import Layout, allgather, clip_by_global_norm, layout_of, mean_slices
 
-__all__ = ["ShardedOptimizer", "ShardedState", "shard_optimizer"]
+__all__ = ["ShardedOptimizer", "ShardedState", "Slicing", "shard_optimizer"]
 
 
-class ShardedState(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class Slicing:
+    """How a :class:`ShardedState` is cut, the same on every rank (never the rank): what a
+    checkpoint needs to save each rank's slices and to cut them anew at another world size.
+
+    Attributes:
+      lengths: the real number of elements ``L_g`` of each dtype group's packed vector.
+      size: the world size ``W``: each rank holds ``ceil(L_g / W)`` elements of group ``g``.
+      groups: for each leaf of ``inner``'s state, in flatten order, the group whose slice
+        it is, or -1 for a leaf held whole by every rank (adam's step count).
+    """
+
+    lengths: tuple[int, ...]
+    size: int
+    groups: tuple[int, ...]
+
+
+class ShardedState:
     """The state of :func:`shard_optimizer`: ``inner``'s state for this rank's slice of the
     packed parameters (a tuple of 1-D arrays, one per parameter dtype, where ``inner.init``
-    would have had the parameters' tree). It differs from rank to rank: save it with
-    :meth:`ShardedOptimizer.gather_state`, restore it with :meth:`ShardedOptimizer.shard_state`."""
+    would have had the parameters' tree). It differs from rank to rank.
+    :class:`jaxddp.CheckpointManager` saves it as it is, each rank its own slices, and
+    restores it into ``tx.init(params)`` at any world size; :meth:`ShardedOptimizer.gather_state`
+    gives the full state (the unsharded optimizer's), :meth:`ShardedOptimizer.shard_state`
+    this rank's share of one.
 
+    A pytree with one child, ``inner``; its ``slicing`` (a :class:`Slicing`, set by
+    ``init`` and ``update``) is static: part of the tree's structure, equal on every rank
+    and from step to step."""
+
+    __slots__ = ("inner", "slicing")
     inner: Any
+    slicing: Slicing | None
+
+    def __init__(self, inner: Any, slicing: Slicing | None = None) -> None:
+        object.__setattr__(self, "inner", inner)
+        object.__setattr__(self, "slicing", slicing)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        msg = "A ShardedState is immutable: build another one."
+        raise AttributeError(msg)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return ShardedState, (self.inner, self.slicing)
+
+    def __repr__(self) -> str:
+        return f"ShardedState(inner={self.inner!r}, slicing={self.slicing!r})"
+
+
+def _unflatten(slicing: Slicing | None, children: Any) -> ShardedState:
+    (inner,) = children
+    return ShardedState(inner, slicing)
+
+
+jax.tree_util.register_pytree_with_keys(
+    ShardedState,
+    lambda s: (((jax.tree_util.GetAttrKey("inner"), s.inner),), s.slicing),
+    _unflatten,
+    flatten_func=lambda s: ((s.inner,), s.slicing),
+)
 
 
 class ShardedOptimizer(optax.GradientTransformation):
     """What :func:`shard_optimizer` returns: an ``optax.GradientTransformation`` with two
     more methods, collective over the ranks, to turn its sharded state into the full one
-    (for a checkpoint any world size can restore) and back."""
+    (the unsharded optimizer's, the same on every rank) and back."""
 
     __slots__ = ()
 
@@ -69,6 +123,15 @@ class _Sharder:
         self, inner: Any, clip: float | None, comm: Communicator | None, check: bool
     ) -> None:
         self.inner, self.clip, self.comm, self.check = inner, clip, comm, check
+        self._groups: dict[Any, tuple[int, ...]] = {}  # by the inner state's treedef
+
+    def state(self, layout: Layout, inner_state: Any) -> ShardedState:
+        """``inner_state`` as a :class:`ShardedState`, with its :class:`Slicing`."""
+        treedef = jax.tree_util.tree_structure(inner_state)
+        groups = self._groups.get(treedef)
+        if groups is None:
+            groups = self._groups[treedef] = _groups(self.inner, inner_state, len(layout.groups))
+        return ShardedState(inner_state, Slicing(layout.lengths, layout.size, groups))
 
     def layout(self, params: Any, what: str = "params") -> tuple[Layout, tuple[Any, Any]]:
         rank, size, jax_comm, host_comm = _comm.channels(self.comm)
@@ -79,7 +142,7 @@ class _Sharder:
         mine = layout.mine(layout.pack(jax.tree_util.tree_leaves(params)))
         mine = tuple(jnp.asarray(x) for x in mine)
         check_elementwise(self.inner, mine, clip=self.clip)
-        return ShardedState(self.inner.init(mine))
+        return self.state(layout, self.inner.init(mine))
 
     def update(self, updates: Any, state: Any, params: Any = None) -> tuple[Any, ShardedState]:
         if not isinstance(state, ShardedState):
@@ -118,7 +181,7 @@ class _Sharder:
         out = [np.asarray(x) if concrete else x for x in out]
         full = allgather(out, channels, layout.size) if layout.size > 1 else out
         full = [jnp.asarray(x) for x in full]
-        return layout.unpack(full), ShardedState(inner_state)
+        return layout.unpack(full), self.state(layout, inner_state)
 
     def gather(self, state: ShardedState, params: Any) -> Any:
         layout, channels = self.layout(params)
@@ -138,7 +201,7 @@ class _Sharder:
             dtypes = [np.dtype(leaves[members[0]].dtype) for _, members in layout.groups]
             return tuple(jnp.asarray(x) for x in layout.mine(layout.pack(leaves, dtypes)))
 
-        return ShardedState(_map_params(self.inner, mine, full))
+        return self.state(layout, _map_params(self.inner, mine, full))
 
 
 def _bare(value: Any) -> Any:
@@ -165,6 +228,33 @@ def _map_params(inner: Any, f: Any, state: Any, *, unwrap: bool = False) -> Any:
             "the parameters, as optax's transforms do."
         )
         raise TypeError(msg) from exc
+
+
+def _groups(inner: Any, state: Any, count: int) -> tuple[int, ...]:
+    """For each leaf of ``inner``'s state (in flatten order), the group whose slice it is
+    (a copy of the parameters holds one slice per group), or -1 for the rest."""
+
+    def copy(slices: Any) -> Any:
+        if not isinstance(slices, tuple) or len(slices) != count:
+            msg = (
+                f"jaxddp expected a copy of the parameters in the inner optimizer's state to "
+                f"be {count} slices (one per parameter dtype), got {slices!r} instead."
+            )
+            raise TypeError(msg)
+        return tuple(jax.tree.map(lambda _, g=g: g, s) for g, s in enumerate(slices))
+
+    marked = optax.tree_utils.tree_map_params(
+        inner,
+        copy,
+        state,
+        is_leaf=lambda _: True,
+        transform_non_params=lambda v: jax.tree.map(lambda _: -1, v),
+    )
+    groups = tuple(int(g) for g in jax.tree_util.tree_leaves(marked))
+    if len(groups) != len(jax.tree_util.tree_leaves(state)):  # cannot be: tree maps
+        msg = "jaxddp could not tell the slices in the inner optimizer's state from the rest."
+        raise AssertionError(msg)
+    return groups
 
 
 def shard_optimizer(
@@ -205,8 +295,10 @@ def shard_optimizer(
 
     Returns:
       A :class:`ShardedOptimizer`: its state (a :class:`ShardedState`) differs from rank to
-      rank; ``tx.gather_state(state, params)`` gives the full one (for a checkpoint),
-      ``tx.shard_state(full, params)`` this rank's share of a full one.
+      rank. :class:`jaxddp.CheckpointManager` saves it as it is (every rank its slices) and
+      restores it into ``tx.init(params)`` at any world size. ``tx.gather_state(state,
+      params)`` gives the full one (the unsharded chain's), ``tx.shard_state(full, params)``
+      this rank's share of a full one.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, jaxddp
@@ -216,7 +308,7 @@ def shard_optimizer(
       >>> updates, state = jax.jit(tx.update)({"w": jnp.ones(3), "frozen": None}, state, params)
       >>> bool((updates["frozen"] == 0).all())  # no gradient: no update, and no hang
       True
-      >>> full = tx.gather_state(state, params)  # for a checkpoint: the same on every rank
+      >>> full = tx.gather_state(state, params)  # the unsharded state, the same on every rank
       >>> state = tx.shard_state(full, params)  # this rank's share, at any world size
     """
     if not isinstance(inner, optax.GradientTransformation):
@@ -231,4 +323,5 @@ def shard_optimizer(
         raise ValueError(msg)
     check = check_flag(check)
     sharder = _Sharder(inner, clip_global_norm, comm, check)
-    return ShardedOptimizer(sharder.init, sharder.update)
+    # a ShardedState is a pytree of arrays, as optax's OptState, but not a tuple or a mapping
+    return ShardedOptimizer(sharder.init, sharder.update)  # pyright: ignore[reportArgumentType]
