@@ -33,8 +33,10 @@ def _state(step):
     return {"w": jnp.arange(50_000, dtype=jnp.float32) * step, "b": jnp.ones(3), "step": step}
 
 
-def _damage(directory, step, how):
-    """On the writing rank: changes the largest file of checkpoint ``step``."""
+def _damage(ckpt, directory, step, how):
+    """On the writing rank: changes the largest file of checkpoint ``step``, once ``ckpt``'s
+    save in flight is on disk."""
+    ckpt.wait_until_finished()
     if rank == 0:
         files = [
             os.path.join(root, f)
@@ -61,7 +63,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one_on_every_rank(d
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2))
-        _damage(directory, 2, how)
+        _damage(ckpt, directory, 2, how)
         with pytest.warns(
             RuntimeWarning, match=r"Checkpoint 2 is damaged.*Falling back to checkpoint 1"
         ):
@@ -77,8 +79,8 @@ def test_when_no_checkpoint_is_intact_the_resume_is_an_error_on_every_rank(direc
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2))
-        _damage(directory, 1, "bit")
-        _damage(directory, 2, "bit")
+        _damage(ckpt, directory, 1, "bit")
+        _damage(ckpt, directory, 2, "bit")
         with (
             pytest.warns(RuntimeWarning, match="Falling back to checkpoint 1"),
             pytest.raises(jaxddp.DamagedCheckpointError, match=r"Checkpoint 1 is damaged.*\['w'\]"),
@@ -89,8 +91,10 @@ def test_when_no_checkpoint_is_intact_the_resume_is_an_error_on_every_rank(direc
         assert ckpt.restore(None, _state(0))["step"] == 3
 
 
-def _edit_metadata(directory, step, how):
-    """On the writing rank: changes the step's own metadata, where its checksums are."""
+def _edit_metadata(ckpt, directory, step, how):
+    """On the writing rank: changes the step's own metadata, where its checksums are, once
+    ``ckpt``'s save in flight is on disk."""
+    ckpt.wait_until_finished()
     if rank == 0:
         path = os.path.join(directory, str(step), "_CHECKPOINT_METADATA")
         with open(path) as f:
@@ -118,8 +122,8 @@ def test_a_step_without_its_checksums_is_damaged_and_never_restored_unverified(d
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2))
-        _edit_metadata(directory, 2, how)
-        _damage(directory, 2, "bit")
+        _edit_metadata(ckpt, directory, 2, how)
+        _damage(ckpt, directory, 2, "bit")
         with pytest.raises(jaxddp.DamagedCheckpointError, match="Checkpoint 2 is damaged"):
             ckpt.restore(2, _state(0))
         with pytest.warns(
@@ -134,7 +138,7 @@ def test_a_checkpoint_without_checksums_restores_only_when_asked_with_a_warning(
     # what a jaxddp before checksums wrote: valid metadata without jaxddp's entry
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, _state(1))
-        _edit_metadata(directory, 1, "without jaxddp's entry")
+        _edit_metadata(ckpt, directory, 1, "without jaxddp's entry")
         with pytest.raises(jaxddp.DamagedCheckpointError, match="allow_missing_checksums=True"):
             ckpt.restore(1, _state(0))
         with pytest.raises(jaxddp.DamagedCheckpointError, match="holds no checksums"):
@@ -144,7 +148,7 @@ def test_a_checkpoint_without_checksums_restores_only_when_asked_with_a_warning(
         np.testing.assert_array_equal(restored["w"], _state(1)["w"])
         # checksums that are there are verified all the same
         ckpt.save(2, _state(2))
-        _damage(directory, 2, "bit")
+        _damage(ckpt, directory, 2, "bit")
         with pytest.raises(
             jaxddp.DamagedCheckpointError, match=r"Checkpoint 2 is damaged.*\['w'\]"
         ):
@@ -157,7 +161,7 @@ def test_the_save_of_a_step_found_damaged_moves_it_aside_and_saves_anew(director
     with jaxddp.CheckpointManager(directory, max_to_keep=2) as ckpt:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2))
-        _damage(directory, 2, "truncated")
+        _damage(ckpt, directory, 2, "truncated")
         with pytest.warns(RuntimeWarning, match="Falling back to checkpoint 1"):
             assert ckpt.restore(None, _state(0))["step"] == 1
         aside = os.path.join(directory, "2.damaged")
