@@ -210,7 +210,8 @@ class CheckpointManager:
                     "a damaged one, and its next save replaces it)."
                 )
                 raise RuntimeError(msg)
-            host = _background.host_copy(tree)
+            # blocking: this thread waits below, and nothing can change the arrays meanwhile
+            host = _background.host_copy(tree) if self._background else tree
             self._write = _background.Write(
                 step, lambda: write_step(manager, step, host, entry), self.directory, _kind
             )
