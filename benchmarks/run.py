@@ -393,8 +393,10 @@ def checkpoint_loop_markdown(parts: list[dict]) -> list[str]:
             "blocking save's time."
         ),
         "",
-        "| ranks | state | K | step, no saves | background | blocking "
-        "| background `save` returns | blocking `save` |",
+        (
+            "| ranks | state | K | step, no saves | background | blocking "
+            "| background `save` returns | blocking `save` |"
+        ),
         "|---|---|---|---|---|---|---|---|",
     ]
     for m in parts:
@@ -419,8 +421,10 @@ def sharded_checkpoint_markdown(parts: list[dict]) -> list[str]:
             "resident memory a save added on each rank (`VmHWM`)."
         ),
         "",
-        "| ranks | optimizer state | sliced | gathered | memory added per rank, sliced "
-        "| gathered |",
+        (
+            "| ranks | optimizer state | sliced | gathered | memory added per rank, sliced "
+            "| gathered |"
+        ),
         "|---|---|---|---|---|---|",
     ]
     for m in parts:
