@@ -148,6 +148,12 @@ def _load(MPI: Any) -> str | None:
         library.jaxddp_native_share_on.argtypes = [ctypes.c_int64]
         library.jaxddp_native_shared_arrivals.argtypes = [ctypes.c_int64]
         library.jaxddp_native_shared_arrivals.restype = ctypes.c_int64
+        library.jaxddp_native_header_bytes.argtypes = [ctypes.c_int64]
+        library.jaxddp_native_header_bytes.restype = ctypes.c_int64
+        library.jaxddp_native_kind.argtypes = [ctypes.c_char_p]
+        library.jaxddp_native_kind.restype = ctypes.c_int64
+        if any(library.jaxddp_native_kind(c.encode()) < 0 for c, _ in _KINDS.values()):
+            return "its build does not know every dtype jaxddp sends"
         _library = library
     except (AttributeError, OSError, RuntimeError, subprocess.SubprocessError) as error:
         return f"it could not be built or loaded here: {error}"
@@ -192,11 +198,14 @@ def status() -> str:
 # holds): every dtype jaxddp sends as it is but bool, which jaxddp widens first.
 MAX_SHARED_RANKS = 8
 SLOT_BYTES = 1 << 20
-_TEXT_BYTES = 192  # per rank and slot: the description of its call (allreduce.cc's kTextBytes)
+# (the handler's own codes for the kinds, and the header's size, are asked of the library:
+# allreduce.cc defines them once)
 _KINDS = {
-    "FLOAT": (0, 1), "DOUBLE": (1, 1), "COMPLEX": (0, 2), "DOUBLE_COMPLEX": (1, 2),
-    "INT8_T": (2, 1), "INT16_T": (3, 1), "INT32_T": (4, 1), "INT64_T": (5, 1),
-    "UINT8_T": (6, 1), "UINT16_T": (7, 1), "UINT32_T": (8, 1), "UINT64_T": (9, 1),
+    "FLOAT": ("float32", 1), "DOUBLE": ("float64", 1),
+    "COMPLEX": ("float32", 2), "DOUBLE_COMPLEX": ("float64", 2),
+    "INT8_T": ("int8", 1), "INT16_T": ("int16", 1), "INT32_T": ("int32", 1),
+    "INT64_T": ("int64", 1), "UINT8_T": ("uint8", 1), "UINT16_T": ("uint16", 1),
+    "UINT32_T": ("uint32", 1), "UINT64_T": ("uint64", 1),
 }  # fmt: skip
 # The MPI window of that memory, the communicator's size and its C handle; kept until the
 # process ends (never freed: the handler may use it until then). And whether it is on.
@@ -220,8 +229,7 @@ def share(MPI: Any, comm: Communicator, one_node: bool) -> None:
     # the ranks agreed on the setting at start-up (_runtime.agreement); LAND is a second guard
     if not comm.allreduce(_settings.shared_allreduce(), op=MPI.LAND):
         return
-    header = 64 + 64 * size + 2 * _TEXT_BYTES * size  # allreduce.cc: the bell, records, texts
-    header += -header % 4096
+    header = _library.jaxddp_native_header_bytes(size)  # the bell, the records, the texts
     nbytes = header + 2 * size * SLOT_BYTES
     window = memory = None
     try:
@@ -246,7 +254,7 @@ def share(MPI: Any, comm: Communicator, one_node: bool) -> None:
         rank,
         SLOT_BYTES,
         int64s(*[_mpi.c_handle(getattr(MPI, name)) for name in names]),
-        int64s(*[_KINDS[name][0] for name in names]),
+        int64s(*[_library.jaxddp_native_kind(_KINDS[name][0].encode()) for name in names]),
         int64s(*[_KINDS[name][1] for name in names]),
         len(names),
         (ctypes.c_int64 * 3)(*[_mpi.c_handle(op) for op in (MPI.SUM, MPI.MAX, MPI.MIN)]),

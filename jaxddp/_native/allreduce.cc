@@ -115,7 +115,7 @@ constexpr const char* kKindNames[kKinds] = {"float32", "float64", "int8",   "int
                                             "int64",   "uint8",   "uint16", "uint32", "uint64"};
 constexpr const char* kOpNames[kOps] = {"sum", "max", "min"};
 constexpr int kMaxTypes = 16;
-constexpr int64_t kTextBytes = 192;  // jaxddp/_native/__init__.py's _TEXT_BYTES
+constexpr int64_t kTextBytes = 192;
 
 // A call, as every rank must make it: what travels (kind, op, count, which chunk) and what
 // the call is to its caller (`call`: a hash of jaxddp's description of it, the op as the
@@ -399,6 +399,22 @@ extern "C" __attribute__((visibility("default"))) void jaxddp_native_share(
     shared.factors[t] = static_cast<int32_t>(factors[t]);
   }
   for (int o = 0; o < kOps; ++o) shared.ops[o] = static_cast<intptr_t>(ops[o]);
+}
+
+// What the Python side needs of the layout above, asked of this library so that it is
+// defined once: the bytes of the header for `ranks` ranks (rounded up to a page; the slots
+// follow), and the Kind of a dtype named as NumPy names it (-1 for none).
+extern "C" __attribute__((visibility("default"))) int64_t jaxddp_native_header_bytes(
+    int64_t ranks) {
+  const int64_t header = 64 + 64 * ranks + 2 * kTextBytes * ranks;
+  return (header + 4095) / 4096 * 4096;
+}
+
+extern "C" __attribute__((visibility("default"))) int64_t jaxddp_native_kind(const char* name) {
+  for (int k = 0; k < kKinds; ++k) {
+    if (std::strcmp(kKindNames[k], name) == 0) return k;
+  }
+  return -1;
 }
 
 // Every rank must turn it on or off at the same point, with no allreduce in flight.
