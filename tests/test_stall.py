@@ -49,8 +49,14 @@ def run(
     script: Path = STALL,
     compile_cache: bool = True,
     launcher_args: tuple[str, ...] = (),
+    *,
+    buffered: bool = False,
 ):
+    """``buffered``: Python's stdout block-buffered, as under a launcher (not the harness's
+    ``PYTHONUNBUFFERED=1``)."""
     env = dict(os.environ, **ENV)
+    if buffered:
+        env["PYTHONUNBUFFERED"] = ""
     quick = np in SLEEPING_WAITS_AT
     result = launch(
         [str(script), mode],
@@ -78,6 +84,13 @@ def report_of(result) -> str:
     return log.split("==== jaxddp stall report")[-1]
 
 
+def assert_printed_lines_kept(result) -> None:
+    """Every rank's unflushed line of batch 2 (``stall.py``) reached its log before the abort."""
+    for r in range(result.np):
+        line = f"rank {r} printed this at batch 2 and did not flush it"
+        assert line in result.rank_logs[str(r)], result.report()
+
+
 def rank_lines(report: str, r: int) -> str:
     """The lines of the report about rank ``r``."""
     block = report.split(f"\nrank {r}: ", 1)[1]
@@ -90,7 +103,8 @@ def behind(report: str) -> str:
 
 @pytest.mark.parametrize("np", SIZES)
 def test_a_rank_asleep_in_its_data_loading_is_named_with_its_line(np):
-    result = run("sleep", np)
+    result = run("sleep", np, buffered=True)
+    assert_printed_lines_kept(result)  # rank 0's inspector aborts
     report = report_of(result)
     last = np - 1
     assert behind(report) == str(last), report
@@ -155,7 +169,9 @@ def test_a_stopped_rank_is_named_as_not_answering(np):
 def test_rank_0_blocked_holding_the_gil_is_named_and_aborted_by_rank_1(np):
     """Rank 0 leads the stall inspector; with its GIL held in C code none of its Python
     threads runs, so rank 1 stands in: it names rank 0 and aborts the job itself."""
-    result = run("gil0", np)
+    result = run("gil0", np, buffered=True)
+    # rank 1 aborts; rank 0, holding the GIL, cannot flush: its line was written when printed
+    assert_printed_lines_kept(result)
     log = result.rank_logs["1"]
     assert "==== jaxddp stall report" in log, result.report()
     report = log.split("==== jaxddp stall report")[-1]
@@ -167,13 +183,17 @@ def test_rank_0_blocked_holding_the_gil_is_named_and_aborted_by_rank_1(np):
         assert "waiting in the compiled function `step`" in rank_lines(report, r), report
 
 
-@pytest.mark.parametrize("mode", ["exit", "wait"])
-def test_lines_printed_before_another_rank_aborts_reach_the_file(mode, tmp_path):
+@pytest.mark.parametrize(("mode", "inspector"), [("exit", "on"), ("wait", "on"), ("wait", "off")])
+def test_lines_printed_before_another_rank_aborts_reach_the_file(mode, inspector, tmp_path):
     """The job's stdout redirected to a file, Python's buffered (``PYTHONUNBUFFERED`` empty):
-    the lines both ranks printed without flushing used to die in their buffers when the last
-    rank's ``sys.exit(1)`` (rank 0 waiting at its exit) or exception (rank 0 waiting in a
-    collective) aborted the job."""
+    every line both ranks printed without flushing (``tests/scripts/abort_output.py``) must
+    be there after the last rank's ``sys.exit(1)`` (rank 0 waiting at its exit) or exception
+    (rank 0 waiting in a collective) aborted the job. They used to die in the buffers of the
+    killed ranks (with the stall inspector off, rank 0's every time), and hydra dropped what
+    it had not read of a rank's pipe when the abort reached it."""
     env = dict(os.environ, PYTHONUNBUFFERED="")
+    if inspector == "off":
+        env["JAXDDP_STALL_WARN"] = "0"
     out = tmp_path / "out.txt"
     # run through `python -c`, as a program started by a launcher script: there the lines
     # were lost every time (from a script file, Python's own exit path kept them for `exit`)
@@ -188,10 +208,16 @@ def test_lines_printed_before_another_rank_aborts_reach_the_file(mode, tmp_path)
             command, check=False, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=60
         )
     text = out.read_text()
-    assert done.returncode != 0, text
-    for r in (0, 1):
-        assert f"rank {r} printed this line and did not flush it" in text, text
-    assert "aborting every rank with MPI_Abort" in text, text
+    assert done.returncode != 0, text[-3000:]
+    assert "aborting every rank with MPI_Abort" in text, text[-3000:]
+    for r, what in ((0, "before"), (1, "before"), (1, "last")):
+        found = re.findall(
+            rf"^rank {r} {what} line (\d+) of (\d+), not flushed$", text, re.MULTILINE
+        )
+        assert found, f"none of rank {r}'s {what!r} lines:\n{text[-3000:]}"
+        lines = int(found[0][1])
+        missing = sorted(set(range(lines)) - {int(i) for i, _ in found})
+        assert not missing, f"rank {r}'s {what!r} lines {missing[:5]}... missing of {lines}"
 
 
 @pytest.mark.parametrize("np", SIZES)

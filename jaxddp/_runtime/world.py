@@ -20,6 +20,7 @@ from .. import _native
 from .._base import exit as _exit
 from .._base import mpi as _mpi
 from .._base import settings as _settings
+from .._base import streams as _streams
 from .._types import Communicator
 from . import launcher as _launcher
 from . import watchdog as _watchdog
@@ -98,7 +99,10 @@ def start() -> None:
             return
         with _watchdog.startup_guard():
             _mpi.initialize()
-    _launcher.check_world_size(MPI.COMM_WORLD.Get_size())
+    size = MPI.COMM_WORLD.Get_size()
+    _launcher.check_world_size(size)
+    if size > 1:
+        _streams.line_buffered()  # a rank's printed lines must outlive an abort
     _watchdog.start(MPI)
 
 
@@ -150,6 +154,8 @@ def init() -> World:
             _watchdog.start(MPI)
             world = World(MPI)
             _launcher.check_world_size(world.size)
+            if world.size > 1:
+                _streams.line_buffered()
             _world = world
             _install_abort_on_error(world)
     return _world
@@ -246,7 +252,7 @@ def _install_abort_on_error(world: World) -> None:
 def _abort_on_exit_status(world: World) -> None:
     """At exit: a rank that called ``sys.exit`` with a failure ends the job, as an uncaught
     exception does (MPI would otherwise finalize it and leave the others waiting)."""
-    _watchdog.flush_streams()  # another rank may abort the job while this one finalizes
+    _streams.flush()  # another rank may abort the job while this one finalizes
     status = _exit.nonzero()
     if status is None:
         return

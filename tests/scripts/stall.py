@@ -65,7 +65,7 @@ def step(params, opt_state, x, mask):
 
 
 def misbehaves():
-    print(f"rank {rank} misbehaves at {time.time():.3f}", flush=True)
+    print(f"rank {rank} misbehaves at {time.time():.3f}", file=sys.stderr, flush=True)
 
 
 def load_batch(indices, k):
@@ -125,6 +125,8 @@ batches = 8 if slow else 1000
 for epoch in range(batches):
     sampler.set_epoch(epoch)
     for k, (indices, mask) in enumerate(sampler.batches(4)):
+        if k == 2 and epoch == 0:  # kept by the abort (tests/test_stall.py runs it buffered)
+            print(f"rank {rank} printed this at batch 2 and did not flush it")
         if k == 3 and rank == 0 and mode == "gil0":
             misbehaves()
             ctypes.pythonapi.sleep(3600)  # LINE: gil0

@@ -9,8 +9,8 @@ thread's stack) and prints one report, the ranks behind first; a rank that does 
 within a few seconds is named as such. After ``JAXDDP_STALL_ABORT`` seconds it prints the
 report and calls ``MPI_Abort``. Rank 1 stands in for a rank 0 whose Python threads cannot
 run (its main thread holding the GIL in C code): it names rank 0 and aborts itself. Before
-any abort, every rank the aborting one can reach flushes its stdout and stderr
-(:func:`abort_job`).
+any abort, every rank the aborting one can reach flushes its stdout and stderr and waits
+until the launcher has read them (:func:`abort_job`).
 
 At exit every rank keeps its watchdog running until all ranks have reached their exit (a
 nonblocking barrier on the watchdog's communicator): a rank that left the loop early is then
@@ -26,6 +26,6 @@ seconds, it prints why and kills the rank.
 from .report import render
 from .stacks import folded_stack
 from .startup import startup_guard
-from .thread import abort_job, flush_streams, start
+from .thread import abort_job, start
 
-__all__ = ["abort_job", "flush_streams", "folded_stack", "render", "start", "startup_guard"]
+__all__ = ["abort_job", "folded_stack", "render", "start", "startup_guard"]

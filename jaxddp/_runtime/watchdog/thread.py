@@ -9,8 +9,9 @@ not answering) and, after ``JAXDDP_STALL_ABORT`` seconds, aborts the job itself.
 
 Before any jaxddp abort (:func:`abort_job`: a stall, an uncaught exception, a failing
 ``sys.exit``) the aborting rank writes its line and flushes, asks every rank's watchdog to
-flush its stdout and stderr, and waits a moment for their answers, so that what each rank
-printed reaches its file before ``MPI_Abort`` kills it.
+flush its stdout and stderr and to wait until the launcher has read them, waits a moment for
+their answers, then waits for the launcher to have read its own, so that what each rank
+printed reaches the job's output before ``MPI_Abort`` kills it (:mod:`jaxddp._base.streams`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import numpy as np
 from ..._base import exit as _exit
 from ..._base import progress as _progress
 from ..._base import settings as _settings
+from ..._base import streams as _streams
 from ..._types import Communicator
 from .report import render
 from .sleeps import MainSleeps
@@ -38,29 +40,25 @@ _TAG_ALIVE, _TAG_FLUSH, _TAG_FLUSHED = 7304, 7305, 7306
 DEPUTY = 1  # the rank that watches rank 0's watchdog, and stands in for it
 NAP = 0.1  # seconds between two looks for a flush request
 FLUSH_GRACE = 1.0  # seconds an aborting rank waits for the others to have flushed
-
-
-def flush_streams() -> None:
-    """Flushes this process's stdout and stderr, never raising (a closed stream, a pipe
-    whose reader is gone)."""
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        with contextlib.suppress(Exception):
-            if stream is not None:
-                stream.flush()
+READ_GRACE = 0.5  # seconds a rank waits for the launcher to have read what it flushed
 
 
 def abort_job(status: int, line: str) -> None:
     """Ends the whole job with ``MPI_Abort(status)``, its output kept: writes ``line`` to
-    stderr and flushes, asks every other rank to flush its own (through the watchdog, whose
-    thread answers even while the main thread waits in MPI) and waits at most
-    :data:`FLUSH_GRACE` seconds for their answers."""
+    stderr and flushes, asks every other rank to flush its own and wait until the launcher
+    has read it (through the watchdog, whose thread answers even while the main thread waits
+    in MPI), waits at most :data:`FLUSH_GRACE` seconds for their answers, then at most
+    :data:`READ_GRACE` seconds for the launcher to have read its own output: MPICH's hydra
+    drops what is still in a rank's pipe when the abort reaches it."""
     with contextlib.suppress(Exception):
         sys.stderr.write(line)
-    flush_streams()
+    _streams.flush()
     dog = _watchdog
     if isinstance(dog, _Watchdog):
         with contextlib.suppress(Exception):
             dog.flush_everyone(FLUSH_GRACE)
+    _streams.flush()  # what the main thread printed meanwhile
+    _streams.wait_until_read(READ_GRACE)
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(status)
@@ -134,7 +132,7 @@ class _Watchdog:
     def at_exit(self) -> None:
         """Keeps answering until every rank has reached its exit; then lets MPI finalize.
         Flushes first: another rank may abort the job while this one waits here."""
-        flush_streams()
+        _streams.flush()
         self.exited_at = time.monotonic()
         self.exiting.set()
         while self.thread.is_alive() and not self.done.wait(0.1):
@@ -186,7 +184,8 @@ class _Watchdog:
         while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_TAG_FLUSH, status=status):
             source = status.Get_source()
             self.comm.Recv(self.flush_token, source=source, tag=_TAG_FLUSH)
-            flush_streams()
+            _streams.flush()
+            _streams.wait_until_read(READ_GRACE)  # before the answer that lets it abort
             self.sends.append(self.comm.Isend(self.flush_token, dest=source, tag=_TAG_FLUSHED))
 
     def flush_everyone(self, grace: float) -> None:
