@@ -28,6 +28,7 @@ from ..._runtime import watchdog as _watchdog
 __all__ = ["Write", "host_copy", "in_flight", "settle_at_exit", "settled"]
 
 LOOK = 1.0  # seconds between two looks at the write's progress
+_NO_THREADS = "can't create new thread at interpreter shutdown"  # Python 3.12's words
 
 
 def _leaf_copy(leaf: Any) -> Any:
@@ -149,6 +150,12 @@ def settle_at_exit() -> None:
         try:
             manager._settle()
         except Exception as e:  # noqa: BLE001 - a failed save at exit ends the job
-            _watchdog.abort_job(
-                1, f"jaxddp: {type(e).__name__}: {e}\nEnding the job with status 1.\n"
-            )
+            why = f"jaxddp: {type(e).__name__}: {e}\n"
+            if _NO_THREADS in str(e):  # Python 3.12: no thread starts once the exit began
+                why += (
+                    "The save was still being written when the program ended, and this Python "
+                    "starts no new thread then: it is not saved (the checkpoints before it are "
+                    "intact). Call the manager's close() or wait_until_finished() before the "
+                    "program ends (a `with` block does).\n"
+                )
+            _watchdog.abort_job(1, why + "Ending the job with status 1.\n")
