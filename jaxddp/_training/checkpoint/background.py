@@ -3,9 +3,10 @@
 The state is copied to host memory on the calling thread, before ``save`` returns, so that
 what is written is what was passed, whatever the loop does to its arrays afterwards (a
 donated buffer, an in-place update). The write runs on a daemon thread: the manager's next
-call, or :func:`settle_at_exit`, waits for it. While a rank waits, it counts the write's
-progress (the bytes in the checkpoint directory growing) for the stall inspector, so a long
-write that moves is not reported and one that does not move is.
+call, or :func:`settle_at_exit`, waits for it. While it runs, a second thread counts its
+progress (the bytes in the checkpoint directory's temporary folders growing) for the stall
+inspector, so a rank waiting for a long write that moves is not reported, and one waiting
+for a write that stopped is.
 """
 
 from __future__ import annotations
