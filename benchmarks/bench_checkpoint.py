@@ -48,6 +48,14 @@ def make_state() -> dict:
     }  # fmt: skip
 
 
+def report(result: dict, out: Path | None) -> None:
+    """Prints ``result`` without its samples and writes it whole to ``out`` (JSON)."""
+    print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     import orbax.checkpoint as ocp
 
@@ -104,10 +112,7 @@ def main() -> None:
         "samples": samples,
     }
     if rank == 0:
-        print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1))
+        report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ in each mode. Targets: the background loop at most 1.05x the loop without saves,
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxddp
-from benchmarks.bench_checkpoint import make_state
+from benchmarks.bench_checkpoint import make_state, report
 from jaxddp._collectives import api as _comm
 
 
@@ -108,10 +107,7 @@ def main() -> None:
         "samples": {"per_step": per_step, "returns": returns},
     }
     if rank == 0:
-        print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1))
+        report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ above what the process held before it (Linux's ``VmHWM``, reset before each save
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import tempfile
@@ -31,6 +30,7 @@ import numpy as np
 import optax
 
 import jaxddp
+from benchmarks.bench_checkpoint import report
 from jaxddp._collectives import api as _comm
 
 
@@ -104,10 +104,7 @@ def main() -> None:
             "peak_added_bytes_per_rank": peaks,
             "samples": {"seconds": seconds},
         }
-        print(json.dumps({k: v for k, v in result.items() if k != "samples"}, indent=1))
-        if args.out is not None:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1))
+        report(result, args.out)
 
 
 if __name__ == "__main__":

@@ -138,13 +138,17 @@ class CheckpointManager:
                 result = action()
             except Exception as e:  # noqa: BLE001 - reported on every rank below
                 error = (_kind(e), f"{type(e).__name__}: {e}")
+        self._raise_on_every_rank(error, doing)
+        return result
+
+    def _raise_on_every_rank(self, error: tuple[str, str] | None, doing: str) -> None:
+        """Raises the writer's ``error`` (``(kind, text)``, or None for none) on every rank."""
         error = self._comm.bcast(error, root=_ROOT)
         if error is not None:
             kind, text = error
             where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
             msg = f"Could not {doing}{where}: {text}"
             raise _ERRORS[kind](msg)
-        return result
 
     def _manager_or_raise(self) -> Any:
         if self._writer and self._manager is None:
@@ -160,12 +164,7 @@ class CheckpointManager:
         error = self._write.wait() if self._write is not None else None
         self._write, self._in_flight = None, None
         _background.settled(self)
-        error = self._comm.bcast(error, root=_ROOT)
-        if error is not None:
-            kind, text = error
-            where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
-            msg = f"Could not save checkpoint {step} in {self.directory!r}{where}: {text}"
-            raise _ERRORS[kind](msg)
+        self._raise_on_every_rank(error, f"save checkpoint {step} in {self.directory!r}")
 
     def _wait_alone(self) -> None:
         """Waits for this rank's own write, talking to no other rank (an exception is on its

@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from ..zero.optimizer import ShardedState
-from .trees import DamagedCheckpointError, _key_name, restored_like
+from .trees import DamagedCheckpointError, _key_name, refuse_unshared, restored_like
 
 __all__ = ["BUFFER_BYTES", "FORMAT", "Piece", "describe", "file_name", "merge", "read", "split",
            "write"]  # fmt: skip
@@ -223,14 +223,7 @@ def check_wanted(meta: dict[str, Any], wanted: list[Piece], step: int) -> None:
     """Raises ValueError naming the first entry that the saved slices and the target's do
     not share, or whose length or dtype differs."""
     saved = meta["entries"]
-    for path in sorted(saved.keys() ^ {p.path for p in wanted}):
-        has, lacks = ("checkpoint", "target") if path in saved else ("target", "checkpoint")
-        msg = (
-            f"Checkpoint {step} does not match the target: the {has} has a sharded optimizer "
-            f"slice `{path}` that the {lacks} lacks. It is a checkpoint of another state "
-            "(another model, another optimizer)."
-        )
-        raise ValueError(msg)
+    refuse_unshared(step, saved.keys(), {p.path for p in wanted}, noun="a sharded optimizer slice")
     for piece in wanted:
         entry = saved[piece.path]
         for what, got, want in (

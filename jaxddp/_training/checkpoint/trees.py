@@ -22,6 +22,7 @@ __all__ = [
     "DamagedCheckpointError",
     "check_matches",
     "checksums",
+    "refuse_unshared",
     "restored_like",
     "saved_numbers",
     "to_storable",
@@ -163,19 +164,26 @@ def _path_text(path: tuple[str, ...]) -> str:
     return "".join(f"[{p!r}]" for p in path)
 
 
+def refuse_unshared(step: int, saved: Any, target: Any, *, noun: str,
+                    show: Any = str) -> None:  # fmt: skip
+    """Raises ValueError naming the first of the keys that the saved checkpoint and the
+    target do not share: ``noun`` says what they are, ``show`` writes one."""
+    for path in sorted(saved ^ target):
+        has, lacks = ("checkpoint", "target") if path in saved else ("target", "checkpoint")
+        msg = (
+            f"Checkpoint {step} does not match the target: the {has} has {noun} "
+            f"`{show(path)}` that the {lacks} lacks. It is a checkpoint of another state "
+            "(another model, another optimizer)."
+        )
+        raise ValueError(msg)
+
+
 def check_matches(saved: Any, target: Any, step: int) -> None:
     """Raises ValueError naming the first entry that the saved tree (restored leaves, or
     Orbax's metadata of them) and the target do not share, or whose shape or dtype differs
     (Orbax compares the structures, not always the shapes)."""
     got, want = _by_path(saved), _by_path(target)
-    for path in sorted(got.keys() ^ want.keys()):
-        has, lacks = ("checkpoint", "target") if path in got else ("target", "checkpoint")
-        msg = (
-            f"Checkpoint {step} does not match the target: the {has} has an entry "
-            f"`{_path_text(path)}` that the {lacks} lacks. It is a checkpoint of another "
-            "state (another model, another optimizer)."
-        )
-        raise ValueError(msg)
+    refuse_unshared(step, got.keys(), want.keys(), noun="an entry", show=_path_text)
     for path, b in want.items():
         a = got[path]
         if isinstance(b, bool | int | float) and _shape(a) == ():
