@@ -12,7 +12,9 @@ import functools
 import importlib.util
 import itertools
 import json
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -327,3 +329,183 @@ def test_the_docs_example_trains_exactly():
     for other in gathered:
         for a, b in zip(gathered[0], other, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+# ---- what a stream, a step or a rank may do to a join ----------------------------------------
+
+
+def test_a_stream_that_refills_one_buffer_yields_every_batch_as_read():
+    """A reader that refills one buffer and yields it (or views of it) each time: join reads
+    ahead, so it must own what it holds, or later reads overwrite the batches it hands out."""
+    x, ids = np.zeros((B, FEATURES), np.float32), np.zeros(B, np.int32)
+
+    def refilling():
+        for b in rank_batches(rank):
+            n = len(b["id"])
+            x[:n], ids[:n] = b["x"], b["id"]
+            yield {"x": x if n == B else x[:n], "y": b["y"], "id": ids if n == B else ids[:n]}
+
+    seen = [(b["id"][m].tolist(), b["x"][m].tolist()) for b, m in jaxddp.join(refilling())]
+    steps = WORLD.allgather(len(seen))
+
+    assert steps == [STEPS[False]] * size
+    mine = rank_batches(rank)
+    assert [ids for ids, _ in seen[: len(mine)]] == [b["id"].tolist() for b in mine]
+    assert [rows for _, rows in seen[: len(mine)]] == [b["x"].tolist() for b in mine]
+    assert all(ids == [] for ids, _ in seen[len(mine) :])
+
+
+@pytest.fixture(params=["direct", "allgather"])
+def wire_path(request, monkeypatch):
+    """Both ways a step's bytes travel: straight to every rank, or MPI's allgather (above
+    16 ranks; here at any size)."""
+    from jaxddp._data.join import wire
+
+    monkeypatch.setattr(wire, "DIRECT_RANKS", 16 if request.param == "direct" else 1)
+    return request.param
+
+
+def test_a_join_left_on_different_steps_leaves_the_next_join_clean(wire_path):
+    """Rank r leaves the first join after r + 1 steps: its bytes in flight and the other
+    ranks' differ in number. The next join must take its own bytes only."""
+    for k, _ in enumerate(jaxddp.join(stream(rank))):
+        if k == rank:
+            break
+    out = [b["id"][m].tolist() for b, m in jaxddp.join(stream(rank))]
+    steps = WORLD.allgather(len(out))
+
+    assert steps == [STEPS[False]] * size
+    assert [i for ids in out for i in ids] == [i for b in rank_batches(rank) for i in b["id"]]
+
+
+@pytest.mark.parametrize("how", ["dropped", "close"])
+def test_the_ranks_that_go_on_after_rank_0_left_get_an_error_naming_it(wire_path, how):
+    """Rank 0 leaves after one step: it drops the join (as a `break` out of
+    `for ... in jaxddp.join(...)` does) or closes it; the others iterate on. Rank 0's bytes
+    end three steps later: there the others raise, instead of waiting forever."""
+    steps, error = 0, None
+    joined = jaxddp.join(stream(1))  # 7 batches on every rank
+    try:
+        for _ in joined:
+            steps += 1
+            if rank == 0:
+                break
+    except RuntimeError as exc:
+        error = str(exc)
+    if rank == 0 and how == "close":
+        joined.close()
+    del joined
+    everyone = WORLD.allgather((steps, error))
+
+    assert everyone[0] == (1, None)
+    for steps, error in everyone[1:]:
+        assert steps == 4  # rank 0 had posted its bytes of steps 2-4 before it left
+        assert "Rank 0 left this `jaxddp.join` after step 1" in error
+        assert "at step 5" in error
+
+
+def test_state_dict_on_one_rank_alone_raises_naming_the_call_and_the_ranks_absent(monkeypatch):
+    """`state_dict()` under `if rank == 0:` (a save on the writing rank alone): rank 0 gets
+    an error naming the call and the others within the check's limit, not a spin in MPI;
+    the join goes on, and a state taken on every rank afterwards is right."""
+    monkeypatch.setenv("JAXDDP_CHECK_TIMEOUT", "1")
+    joined = jaxddp.join(stream(rank))
+    next(joined)
+    error = None
+    if rank == 0:
+        try:
+            joined.state_dict()
+        except TimeoutError as exc:
+            error = str(exc)
+    errors = WORLD.allgather(error)
+    state = joined.state_dict()  # on every rank: what rank 0 sent above is not taken for it
+    rest = len(list(joined))
+    everyone = WORLD.allgather((state, rest))
+
+    assert errors[1:] == [None] * (size - 1)
+    absent = ("rank " if size == 2 else "ranks ") + ", ".join(map(str, range(1, size)))
+    assert f"`state_dict()` of `jaxddp.join` on rank 0 waited 1 s for {absent}," in errors[0]
+    assert "not under `if rank == 0:`" in errors[0]
+    assert all(s == everyone[0][0] for s, _ in everyone)
+    assert state["steps"] == 1
+    assert {r for _, r in everyone} == {STEPS[False] - 1}
+
+
+class _DeviceTensor:
+    """A leaf that cannot become a NumPy array (a tensor on another device)."""
+
+    def __array__(self, dtype=None, copy=None):
+        raise RuntimeError("cannot convert a device tensor")
+
+
+def test_a_batch_that_cannot_be_converted_raises_on_every_rank_at_its_step():
+    seen, error = [], None
+
+    def batches():
+        for k, b in enumerate(rank_batches(1)):
+            yield {**b, "x": _DeviceTensor()} if rank == size - 1 and k == 2 else b
+
+    try:
+        for b, m in jaxddp.join(batches()):
+            seen.append(b["id"][m].tolist())
+    except Exception as exc:  # noqa: BLE001 - any error, gathered from every rank
+        error = (type(exc).__name__, str(exc))
+    everyone = WORLD.allgather((seen, error))
+
+    for r, (got, _) in enumerate(everyone):
+        assert got == [b["id"].tolist() for b in rank_batches(1)[:2]], r  # no batch lost
+    assert everyone[size - 1][1] == ("RuntimeError", "cannot convert a device tensor")
+    for _, (kind, text) in everyone[: size - 1]:
+        assert kind == "RuntimeError"
+        assert f"Rank {size - 1}'s batch 3 could not be read: RuntimeError: cannot" in text
+        assert "at step 3 of `jaxddp.join`" in text
+
+
+def test_a_step_that_donates_its_batch_gets_fresh_padding_at_every_step():
+    """The ranks whose stream ends first yield padding while the others train: a jitted
+    step that donates its batch must never meet an array it already donated."""
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(x, mask):
+        return x * mask[:, None]
+
+    def batches():
+        for b in rank_batches(rank):  # rank 0's ends after 3 batches, rank 1's after 7
+            yield {"x": jnp.asarray(b["x"]), "id": b["id"]}
+
+    steps, error = 0, None
+    try:
+        for batch, mask in jaxddp.join(batches()):
+            step(batch["x"], mask).block_until_ready()
+            steps += 1
+    except Exception as exc:  # noqa: BLE001 - any error, gathered from every rank
+        error = f"{type(exc).__name__}: {exc}"
+    everyone = WORLD.allgather((steps, error))
+
+    assert everyone == [(STEPS[False], None)] * size
+
+
+def test_a_join_state_restored_on_another_number_of_ranks_names_them():
+    """A checkpoint holding a join's state, saved on every rank of the world, restored by a
+    manager of one rank (each rank alone): the join's own message, not another model's."""
+    directory = WORLD.bcast(tempfile.mkdtemp(prefix="jaxddp-join-") if rank == 0 else None)
+    joined = jaxddp.join(stream(rank))
+    next(joined)
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        ckpt.save(1, {"step": 1, "stream": joined.state_dict()})
+    error = None
+    alone = {"step": 0, "stream": jaxddp.join(stream(rank), comm=SELF).state_dict()}
+    try:
+        with jaxddp.CheckpointManager(directory, comm=SELF) as ckpt:
+            ckpt.restore(1, alone)
+    except ValueError as exc:
+        error = str(exc)
+    errors = WORLD.allgather(error)
+    WORLD.barrier()
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+
+    for error in errors:
+        assert f"saved on {size} ranks" in error
+        assert "`['stream']`" in error
+        assert f"Resume on {size} ranks" in error

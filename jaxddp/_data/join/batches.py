@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["Batch", "StreamError", "describe_difference", "flatten", "pad", "paths"]
+__all__ = ["Batch", "StreamError", "describe_difference", "flatten", "fresh", "own", "pad", "paths"]
 
 
 class StreamError(Exception):
@@ -63,9 +63,23 @@ def pad(leaf: Any, rows: np.ndarray | None, size: int) -> Any:
     return leaf[rows]
 
 
+def own(leaf: Any) -> np.ndarray:
+    """A NumPy array of ``leaf``'s values that nothing else can change: always a copy. A
+    stream may yield one buffer (or views of it) refilled at every batch, and join reads
+    ahead: what it holds, and what it hands out, must be its own."""
+    return np.array(np.asarray(leaf), copy=True)
+
+
+def fresh(leaves: list[Any]) -> list[Any]:
+    """Copies of ``leaves`` (NumPy or JAX arrays), never handed out before: a step may have
+    donated the arrays it was given."""
+    return [leaf.copy() for leaf in leaves]
+
+
 def flatten(item: Any, masked: bool) -> Batch:
     """This rank's item as a :class:`Batch`, or a :class:`StreamError` saying why not.
-    Leaves that are not JAX arrays become NumPy arrays (no copy where they are already)."""
+    Leaves that are not JAX arrays become NumPy arrays of their own (:func:`own`); JAX
+    arrays, which nothing changes, are kept."""
     mask = None
     if masked:
         if not (isinstance(item, tuple | list) and len(item) == 2):
@@ -82,7 +96,7 @@ def flatten(item: Any, masked: bool) -> Batch:
             f"Expected a batch with at least one array, got {item!r} instead: a batch is a "
             "pytree of arrays with a leading batch axis.",
         )
-    leaves = [leaf if isinstance(leaf, jax.Array) else np.asarray(leaf) for leaf in leaves]
+    leaves = [leaf if isinstance(leaf, jax.Array) else own(leaf) for leaf in leaves]
     n = leaves[0].shape[0] if leaves[0].ndim else None
     if n is None or any(not leaf.ndim or leaf.shape[0] != n for leaf in leaves):
         shapes = ", ".join(
@@ -94,7 +108,7 @@ def flatten(item: Any, masked: bool) -> Batch:
             f"{shapes} instead. Give every leaf one row per sample.",
         )
     if mask is not None:
-        mask = np.asarray(mask)
+        mask = own(mask)
         if mask.dtype != np.bool_ or mask.shape != (n,):
             raise StreamError(
                 ValueError,

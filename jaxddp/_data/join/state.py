@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import meeting
+from .wire import next_serial
+
 __all__ = ["STATE_VERSION", "StateMixin", "get_state"]
 
 STATE_VERSION = 1
@@ -29,6 +32,7 @@ class StateMixin:
     _batch_size: int | None
     _loaded: dict[str, Any] | None
     _ahead: Any
+    _serial: int
 
     def _open(self) -> Any:
         raise NotImplementedError
@@ -41,7 +45,9 @@ class StateMixin:
         ``ranks``, one entry per rank: ``taken`` (the real batches of its stream handed out),
         ``ended`` (whether its stream had ended) and, for a stream with a state of its own
         (grain's ``DatasetIterator.get_state()``), ``stream``: its state after the batches
-        handed out, not after those read ahead. Call it on every rank.
+        handed out, not after those read ahead. Call it on every rank: a rank whose
+        others do not call it (a save under ``if rank == 0:``) raises TimeoutError naming
+        them within ``JAXDDP_CHECK_TIMEOUT`` seconds (half ``JAXDDP_STALL_ABORT`` at most).
         """
         mine: dict[str, Any] = {"taken": self._taken, "ended": self._ended}
         if not self._started:
@@ -50,7 +56,13 @@ class StateMixin:
             stream = self._ahead[0].state if self._ahead else None
         if stream is not None and not self._ended:
             mine["stream"] = stream
-        ranks = self._check.allgather(mine) if self._size > 1 else [mine]
+        serial = self._serial if self._started else next_serial(self._check)
+        ranks = meeting.gather(
+            self._check,
+            mine,
+            stamp=(serial, self._steps),
+            call="`state_dict()` of `jaxddp.join`",
+        )
         return {
             "version": STATE_VERSION,
             "world_size": self._size,

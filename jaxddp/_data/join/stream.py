@@ -14,6 +14,7 @@ each read, so that a saved state counts the batches handed out, not those read a
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -24,9 +25,9 @@ import numpy as np
 from ..._base import progress as _progress
 from ..._collectives.consistency import TreeMismatchError, gather_with_deadline
 from ..._runtime import world as _world
-from .batches import Batch, StreamError, describe_difference, flatten
+from .batches import Batch, StreamError, describe_difference, flatten, fresh
 from .state import StateMixin, get_state
-from .wire import BATCH, ENDED, FAILED, KINDS, Slot, abandoned, error_payload, wait, wire
+from .wire import BATCH, ENDED, FAILED, KINDS, Left, Slot, Wire, error_payload, next_serial, wait
 
 __all__ = ["DEPTH", "JoinedStream"]
 
@@ -34,12 +35,14 @@ DEPTH = 3  # steps read ahead, whose bytes are in flight
 
 
 class _Ahead(NamedTuple):
-    """A step read ahead: its batch (None: the stream had ended), what reading it raised,
-    and the stream's own state before it was read."""
+    """A step read ahead: its batch (None: the stream had ended), what reading it raised
+    (``reading``: while making arrays of the stream's item, not in the stream), and the
+    stream's own state before it was read."""
 
     batch: Batch | None
     problem: BaseException | None
     state: Any
+    reading: bool = False
 
     @property
     def status(self) -> int:
@@ -85,11 +88,12 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         self._loaded: dict[str, Any] | None = None
         self._ahead: deque[_Ahead] = deque()  # steps steps+1, steps+2, ... read ahead
         self._flags: deque[Slot] = deque()  # their bytes in flight, oldest first
-        self._ring: list[Slot] = []  # the slots of the bytes, reused in turn
+        self._wire: Wire | None = None  # this join's channel, from the first step on
+        self._serial = 0  # the serial the ranks agreed on at the first step
         self._reads = 0
         self._agreed: tuple[Any, Any] | None = None  # the treedef and leaf kinds
         self._description: tuple[str, list[Any]] | None = None
-        self._filler: list[Any] | None = None  # a full-size batch to yield as padding
+        self._filler: list[Any] | None = None  # a batch of our own, copied for padding
         self._full = self._empty = np.zeros(0, np.bool_)
 
     @property
@@ -111,12 +115,15 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         return self._iterator
 
     def _read(self) -> _Ahead:
-        """Reads this rank's batch of the next step not yet read."""
+        """Reads this rank's batch of the next step not yet read. Whatever raises (the
+        stream, or making arrays of what it yielded) is kept, to be raised at its step on
+        every rank."""
         if self._stream_over:
             return _Ahead(None, None, None)
         iterator = self._open()
-        state = get_state(iterator) if self._stateful else None
+        state = None
         try:
+            state = get_state(iterator) if self._stateful else None
             item = next(iterator)
         except StopIteration:
             self._stream_over = True
@@ -128,9 +135,9 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
             batch = flatten(item, self._masked)
             if self._agreed is not None:
                 self._fits(batch, self._steps + len(self._ahead) + 1)
-        except StreamError as exc:
+        except Exception as exc:  # noqa: BLE001 - a leaf that cannot convert, a misfit: as above
             self._stream_over = True
-            return _Ahead(None, exc, state)
+            return _Ahead(None, exc, state, reading=not isinstance(exc, StreamError))
         return _Ahead(batch, None, state)
 
     def _fits(self, batch: Batch, step: int) -> None:
@@ -164,7 +171,8 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
             ahead = self._read()
             self._ahead.append(ahead)
             self._reads += 1
-            slot = self._ring[self._reads % len(self._ring)]  # free: at most DEPTH in flight
+            assert self._wire is not None
+            slot = self._wire.slots[self._reads % len(self._wire.slots)]  # at most DEPTH in flight
             slot.start(ahead.status)
             self._flags.append(slot)
         self._flags[0].test()  # moves every byte in flight along (MPI progresses in its calls)
@@ -178,8 +186,13 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         if self._finished:
             raise StopIteration
         if self._started:
-            slot = self._flags.popleft()
-            wait(slot)  # returns at its first look where the bytes are there (most steps)
+            assert self._wire is not None
+            slot = self._flags[0]
+            try:  # returns at its first look where the bytes are there (most steps)
+                wait(slot, self._wire, self._steps + 1)
+            except Left as left:
+                self._left(left)
+            self._flags.popleft()
             statuses = slot.statuses.tobytes()
         else:
             statuses = self._start()
@@ -199,11 +212,13 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         batch = ahead.batch
         if batch is None:  # this rank's stream ended: a full batch of padding
             assert self._filler is not None
-            self._ended = True
-            leaves, mask = self._filler, self._empty
+            self._ended = True  # never an array yielded before: a step may have donated it
+            leaves, mask = fresh(self._filler), self._empty
         else:
             self._taken += 1
-            leaves = self._filler = batch.padded(B)
+            leaves = batch.padded(B)
+            if self._filler is None:  # padding, should this rank's stream end first
+                self._filler = fresh(leaves)
             if batch.rows == B:
                 mask = self._full if batch.mask is None else batch.mask
             else:
@@ -214,25 +229,65 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         return jax.tree_util.tree_unflatten(self._agreed[0], leaves), mask
 
     def _drain(self) -> None:
-        """Completes every byte in flight (every rank has posted as many)."""
+        """Completes every byte in flight (every rank has posted as many), and lets go of
+        the join's channel."""
         while self._flags:
-            wait(self._flags.popleft())
-        for slot in self._ring:
-            slot.free()
+            wait(self._flags.popleft(), self._wire, self._steps + 1)  # type: ignore[arg-type]
+        if self._wire is not None:
+            self._wire.close()
+        self._wire = None
 
     def _finish(self) -> None:
         self._finished = self._ended = True  # a state saved now has nothing left to read
         self._drain()
+        self._close_stream()
+
+    def _close_stream(self) -> None:
         close = getattr(self._iterator, "close", None)
-        if callable(close):  # every rank's stream ended: let go of its files and workers
+        if callable(close):  # let go of the stream's files and workers
             close()
 
+    def close(self) -> None:
+        """Leaves the join before its end: no more steps here. The other ranks should leave
+        it at the same step (a ``break`` on a condition every rank shares): a rank still
+        iterating raises an error naming this one where it would wait for its bytes. A loop
+        left with ``break`` drops the join, which then does the same. Closes the stream if
+        it has a ``close`` method; a join at its end needs no call."""
+        if self._finished:
+            return
+        self._finished = True
+        self._leave()
+        self._close_stream()
+
+    def _leave(self) -> None:
+        """Tells the other ranks how far this rank's bytes go, and gives up on them."""
+        wire, self._wire = self._wire, None
+        self._flags.clear()
+        if wire is not None:
+            wire.leave(self._steps, self._steps + len(self._ahead))
+
+    def _left(self, left: Left) -> None:
+        """Another rank left the join before the step this rank waits for."""
+        steps = self._steps
+        self._finished = True
+        self._leave()
+        msg = (
+            f"Rank {left.rank} left this `jaxddp.join` after step {left.steps} (its loop ended "
+            f"there: a `break`, an exception, or `close()`), and this rank waits for its part "
+            f"of step {steps + 1}, at step {steps + 1}: the ranks' loops over one join must end "
+            "at the same step, or the others wait forever. Leave it on a condition every "
+            "rank shares (a number of steps, a value from an allreduce), or iterate it to "
+            "its end: its steps end on every rank at once."
+        )
+        raise RuntimeError(msg)
+
     def __del__(self) -> None:
-        # A loop left early (a `break` on every rank) leaves bytes in flight: MPI may still
-        # write into their buffers, so they must outlive this object.
-        flags = getattr(self, "_flags", None)
-        if flags:
-            abandoned.append((list(flags), self._ring))
+        # A loop left early (a `break`) drops the join with bytes in flight: the other ranks
+        # learn how far this rank's go, and its receives are cancelled.
+        if getattr(self, "_wire", None) is not None and not self._finished:
+            self._finished = True
+            with contextlib.suppress(Exception):  # a finalizer never raises
+                self._leave()
 
     # -- the first step --------------------------------------------------------------------
 
@@ -256,20 +311,27 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
             None if batch is None else batch.describe(),
             self._batch_size,
             self._steps,
-            None if first.problem is None else error_payload(first.problem),
+            None if first.problem is None else error_payload(first.problem, first.reading),
+            next_serial(self._check),
         )
         everyone = [mine]
         if self._size > 1:
             everyone = gather_with_deadline(
                 self._check, mine, what="first batches of `jaxddp.join`", error=TimeoutError
             )
-        # the communicator of the bytes is made here, where every rank is (a collective)
-        comm = wire(self._check) if self._size > 1 else self._check
-        self._ring = [Slot(comm, tag) for tag in range(DEPTH + 1)]
+        # the join's own channel: its serial, the highest proposed, on every rank (whatever
+        # an earlier join left in flight travels on another's)
+        self._serial = max(e[6] for e in everyone)
+        self._wire = Wire(self._check, self._serial, DEPTH + 1)
         statuses = bytes(e[0] for e in everyone)
         if FAILED in statuses:
             self._raise([e[5] for e in everyone])
-        self._agree(everyone)
+        try:
+            self._agree(everyone)
+        except Exception:  # the same error on every rank, at the same point
+            self._finished = True
+            self._drain()
+            raise
         return statuses
 
     def _agree(self, everyone: list[tuple[Any, ...]]) -> None:
@@ -337,22 +399,28 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         """Every rank raises at the step where some rank's stream failed: that rank its own
         exception, the others the same type for jaxddp's checks, else a RuntimeError."""
         self._finished = True
-        problem = self._ahead[0].problem if self._ahead else None
+        first = self._ahead[0] if self._ahead else None
+        problem = None if first is None else first.problem
         self._drain()  # every byte in flight: every rank posted as many
         if payloads is None:  # every rank saw the failure at this step: all gather
-            mine = None if problem is None else error_payload(problem)
+            assert first is not None
+            mine = None if problem is None else error_payload(problem, first.reading)
             payloads = self._check.allgather(mine) if self._size > 1 else [mine]
         assert payloads is not None
         if problem is not None:
             if isinstance(problem, StreamError):
                 raise problem.kind(str(problem))
             raise problem
-        rank, (kind, text, ours) = next((r, p) for r, p in enumerate(payloads) if p is not None)
+        rank, (kind, text, ours, reading) = next(
+            (r, p) for r, p in enumerate(payloads) if p is not None
+        )
         if ours:
             raise KINDS[kind](text)
+        step = self._steps + 1
+        what = f"batch {step} could not be read: {kind}: " if reading else f"stream raised {kind}: "
         msg = (
-            f"Rank {rank}'s stream raised {kind}: {text} (at step {self._steps + 1} of "
-            "`jaxddp.join`). Every rank stops here, so that none waits for it forever."
+            f"Rank {rank}'s {what}{text} (at step {step} of `jaxddp.join`). Every rank stops "
+            "here, so that none waits for it forever."
         )
         raise RuntimeError(msg)
 

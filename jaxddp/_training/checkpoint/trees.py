@@ -1,6 +1,7 @@
 """What a checkpoint holds and how it is checked: a state as Orbax can store it, the CRC-32
 of every array and their verification, the comparison of a saved tree with the target it is
-restored into, and a restored leaf put back in the target's kind."""
+restored into (where a state of one entry per rank, as ``jaxddp.join``'s, was saved on
+another number of ranks, it says so), and a restored leaf put back in the target's kind."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ __all__ = [
     "DamagedCheckpointError",
     "check_matches",
     "checksums",
+    "refuse_other_world",
     "refuse_unshared",
     "restored_like",
     "saved_numbers",
@@ -178,11 +180,35 @@ def refuse_unshared(step: int, saved: Any, target: Any, *, noun: str,
         raise ValueError(msg)
 
 
+def refuse_other_world(step: int, saved: Any, target: dict[tuple[str, ...], Any]) -> None:
+    """Raises ValueError naming a state of one entry per rank saved on another number of
+    ranks than the target's. Such a state says so by its shape: an int ``world_size``
+    beside a ``ranks`` list of that many entries (the state of ``jaxddp.join``: each rank's
+    own stream, which cannot be divided among more ranks or merged into fewer). ``saved``
+    holds the checkpoint's paths, ``target`` the target's leaves by path."""
+    for path, world in target.items():
+        if path[-1] != "world_size" or isinstance(world, bool) or not isinstance(world, int):
+            continue
+        ranks = (*path[:-1], "ranks")
+        had = {p[len(ranks)] for p in saved if p[: len(ranks)] == ranks and len(p) > len(ranks)}
+        if had and len(had) != world:
+            msg = (
+                f"Checkpoint {step} holds at `{_path_text(path[:-1])}` a state saved on "
+                f"{len(had)} ranks (one entry per rank under `ranks`, as the state of "
+                f"`jaxddp.join` has), but the target's is one of {world} ranks, as this job "
+                "has: each rank's stream belongs to its rank (its own files, filters, "
+                "packing), so its position cannot be divided among more ranks or merged into "
+                f"fewer. Resume on {len(had)} ranks, or start the streams anew."
+            )
+            raise ValueError(msg)
+
+
 def check_matches(saved: Any, target: Any, step: int) -> None:
     """Raises ValueError naming the first entry that the saved tree (restored leaves, or
     Orbax's metadata of them) and the target do not share, or whose shape or dtype differs
     (Orbax compares the structures, not always the shapes)."""
     got, want = _by_path(saved), _by_path(target)
+    refuse_other_world(step, got.keys(), want)
     refuse_unshared(step, got.keys(), want.keys(), noun="an entry", show=_path_text)
     for path, b in want.items():
         a = got[path]
