@@ -178,3 +178,27 @@ def test_each_step_counts_as_progress_for_the_stall_inspector():
     assert len(list(jaxddp.join(batches(1, 1, 1)))) == 3
     assert _progress.count - before == 3
     assert _progress.label == "jaxddp.join"
+
+
+def test_a_stream_that_refills_one_buffer_yields_each_batch_as_it_was_read():
+    buffer = np.zeros((2, 3), np.float32)
+
+    def refilling():
+        for k in range(5):
+            buffer[:] = k
+            yield buffer
+
+    out = [b[:, 0].tolist() for b, _ in jaxddp.join(refilling())]
+    assert out == [[k, k] for k in range(5)]
+
+
+def test_a_batch_that_cannot_be_converted_raises_at_its_step_after_the_batches_before_it():
+    class DeviceTensor:
+        def __array__(self, dtype=None, copy=None):
+            raise RuntimeError("on another device")
+
+    items = [np.zeros((2, 1)), np.ones((2, 1)), DeviceTensor(), np.zeros((2, 1))]
+    joined = jaxddp.join(items)
+    assert [b[0, 0] for b, _ in itertools.islice(joined, 2)] == [0.0, 1.0]
+    with pytest.raises(RuntimeError, match="on another device"):
+        next(joined)
