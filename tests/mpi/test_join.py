@@ -509,3 +509,28 @@ def test_a_join_state_restored_on_another_number_of_ranks_names_them():
         assert f"saved on {size} ranks" in error
         assert "`['stream']`" in error
         assert f"Resume on {size} ranks" in error
+
+
+def test_state_dict_at_different_steps_raises_on_every_rank(monkeypatch):
+    """Rank 0 takes the state after one step, the others after two: the ranks behind learn
+    it from the others' calls (a ValueError), the ranks ahead wait for rank 0's in vain."""
+    monkeypatch.setenv("JAXDDP_CHECK_TIMEOUT", "1")
+    joined = jaxddp.join(stream(1))
+    next(joined)
+    if rank > 0:
+        next(joined)
+    error = None
+    try:
+        joined.state_dict()
+    except (ValueError, TimeoutError) as exc:
+        error = (type(exc).__name__, str(exc))
+    del joined
+    everyone = WORLD.allgather(error)
+
+    kind, text = everyone[0]
+    assert kind == "ValueError"
+    assert "Expected every rank to call `state_dict()` of `jaxddp.join` at the same step" in text
+    assert "and rank 0 at step 1 of join number" in text
+    for kind, text in everyone[1:]:
+        assert kind == "TimeoutError"
+        assert "for rank 0, which did not call it" in text

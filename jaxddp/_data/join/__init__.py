@@ -47,13 +47,20 @@ def join(
     A collective over ``comm``: every rank iterates, and the first step checks that every
     rank's batches have the same structure (tree paths, dtypes, trailing shapes), raising
     :class:`jaxddp.TreeMismatchError` on every rank otherwise, before any step runs. A
-    stream that raises, or a later batch that is too large or of another structure, raises
-    on every rank at that step (the rank's own exception on that rank, an error naming it
-    on the others), so no rank is left waiting. Each step counts as progress for the stall
+    stream that raises, a batch that cannot be made into arrays, or a later batch that is
+    too large or of another structure, raises on every rank at that batch's step, after the
+    batches before it (the rank's own exception on that rank, an error naming it on the
+    others), so no rank is left waiting. Each step counts as progress for the stall
     inspector. The stream is read a few batches ahead of the loop (``DEPTH``, 3), so that
     the ranks' agreement on each step travels while the steps before it compute. Leaves
-    that are not JAX arrays (NumPy arrays, PyTorch CPU tensors) are yielded as NumPy
-    arrays; JAX arrays stay JAX arrays.
+    that are not JAX arrays (NumPy arrays, PyTorch CPU tensors) are copied as they are read
+    (a stream may refill one buffer) and yielded as NumPy arrays; JAX arrays stay JAX
+    arrays. Padding is a new array at every step (a step may donate its batch).
+
+    Leave the loop at the same step on every rank (a ``break`` on a condition they share),
+    or not at all: a rank that iterates on after another left raises an error naming it
+    where it would wait for that rank. Whatever a join left in flight, the next join over
+    the same ranks starts clean.
 
     Args:
       iterable: this rank's batches: any iterable (a generator, a grain ``IterDataset`` or
@@ -67,7 +74,8 @@ def join(
 
     Returns:
       A :class:`JoinedStream`: an iterator of ``(batch, mask)`` pairs with
-      :meth:`~JoinedStream.state_dict` and :meth:`~JoinedStream.load_state_dict`.
+      :meth:`~JoinedStream.state_dict`, :meth:`~JoinedStream.load_state_dict` and
+      :meth:`~JoinedStream.close`.
 
     Example:
       >>> import numpy as np, jaxddp

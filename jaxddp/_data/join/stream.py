@@ -2,14 +2,16 @@
 
 Ranks talk twice. At the first step, one gather of every rank's batch structure, its first
 batch's size and whether it has one fixes the batch size and the structure (or raises the
-same error on every rank). Then one byte per rank per step, "I have a batch / my stream
-ended / my stream failed", as a non-blocking allgather on a communicator of its own. A
-step's byte is posted when its batch is read, :data:`DEPTH` hand-outs before the step, and
+same error on every rank), and the serial of the join's own channel (:mod:`.wire`). Then
+one byte per rank per step, "I have a batch / my stream ended / my stream failed", on that
+channel. A step's byte is posted when its batch is read, :data:`DEPTH` hand-outs before the step, and
 its request is only completed when that step is asked for: by then every rank has long
 posted it and MPI has moved it along at each hand-out since, so waiting for it costs a
 look, not a meeting of the ranks (the training step's own allreduce already keeps them in
 step). Reading :data:`DEPTH` batches ahead is the price: a stream's state is taken before
-each read, so that a saved state counts the batches handed out, not those read ahead.
+each read, so that a saved state counts the batches handed out, not those read ahead, and
+what is read is copied (:func:`.batches.own`), since the stream may change it meanwhile.
+Whatever reading raises is kept and raised at its own step on every rank.
 """
 
 from __future__ import annotations
