@@ -16,7 +16,6 @@ Whatever reading raises is kept and raised at its own step on every rank.
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -28,8 +27,9 @@ from ..._base import progress as _progress
 from ..._collectives.consistency import TreeMismatchError, gather_with_deadline
 from ..._runtime import world as _world
 from .batches import Batch, StreamError, describe_difference, flatten, fresh
+from .ends import EndsMixin
 from .state import StateMixin, get_state
-from .wire import BATCH, ENDED, FAILED, KINDS, Left, Slot, Wire, error_payload, next_serial, wait
+from .wire import BATCH, ENDED, FAILED, Left, Slot, Wire, error_payload, next_serial, wait
 
 __all__ = ["DEPTH", "JoinedStream"]
 
@@ -53,7 +53,7 @@ class _Ahead(NamedTuple):
         return ENDED if self.batch is None else BATCH
 
 
-class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
+class JoinedStream(StateMixin, EndsMixin, Iterator[tuple[Any, np.ndarray]]):
     """What :func:`jaxddp.join` returns: this rank's ``(batch, mask)`` pairs, as many on
     every rank. An iterator over one pass of the stream; :meth:`state_dict` (collective)
     and :meth:`load_state_dict` resume it mid-stream on the same number of ranks."""
@@ -230,67 +230,6 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         _progress.note("jaxddp.join")
         return jax.tree_util.tree_unflatten(self._agreed[0], leaves), mask
 
-    def _drain(self) -> None:
-        """Completes every byte in flight (every rank has posted as many), and lets go of
-        the join's channel."""
-        while self._flags:
-            wait(self._flags.popleft(), self._wire, self._steps + 1)  # type: ignore[arg-type]
-        if self._wire is not None:
-            self._wire.close()
-        self._wire = None
-
-    def _finish(self) -> None:
-        self._finished = self._ended = True  # a state saved now has nothing left to read
-        self._drain()
-        self._close_stream()
-
-    def _close_stream(self) -> None:
-        close = getattr(self._iterator, "close", None)
-        if callable(close):  # let go of the stream's files and workers
-            close()
-
-    def close(self) -> None:
-        """Leaves the join before its end: no more steps here. The other ranks should leave
-        it at the same step (a ``break`` on a condition every rank shares): a rank still
-        iterating raises an error naming this one where it would wait for its bytes. A loop
-        left with ``break`` drops the join, which then does the same. Closes the stream if
-        it has a ``close`` method; a join at its end needs no call."""
-        if self._finished:
-            return
-        self._finished = True
-        self._leave()
-        self._close_stream()
-
-    def _leave(self) -> None:
-        """Tells the other ranks how far this rank's bytes go, and gives up on them."""
-        wire, self._wire = self._wire, None
-        self._flags.clear()
-        if wire is not None:
-            wire.leave(self._steps, self._steps + len(self._ahead))
-
-    def _left(self, left: Left) -> None:
-        """Another rank left the join before the step this rank waits for."""
-        steps = self._steps
-        self._finished = True
-        self._leave()
-        msg = (
-            f"Rank {left.rank} left this `jaxddp.join` after step {left.steps} (its loop ended "
-            f"there: a `break`, an exception, or `close()`), and this rank waits for its part "
-            f"of step {steps + 1}, at step {steps + 1}: the ranks' loops over one join must end "
-            "at the same step, or the others wait forever. Leave it on a condition every "
-            "rank shares (a number of steps, a value from an allreduce), or iterate it to "
-            "its end: its steps end on every rank at once."
-        )
-        raise RuntimeError(msg)
-
-    def __del__(self) -> None:
-        # A loop left early (a `break`) drops the join with bytes in flight: the other ranks
-        # learn how far this rank's go, and its receives are cancelled.
-        if getattr(self, "_wire", None) is not None and not self._finished:
-            self._finished = True
-            with contextlib.suppress(Exception):  # a finalizer never raises
-                self._leave()
-
     # -- the first step --------------------------------------------------------------------
 
     def _start(self) -> bytes:
@@ -394,37 +333,6 @@ class JoinedStream(StateMixin, Iterator[tuple[Any, np.ndarray]]):
         if mine is None:
             self._agreed = (treedef, tuple((x.dtype, x.shape[1:]) for x in leaves))
             self._filler = leaves
-
-    # -- errors ----------------------------------------------------------------------------
-
-    def _raise(self, payloads: list[Any] | None = None) -> None:
-        """Every rank raises at the step where some rank's stream failed: that rank its own
-        exception, the others the same type for jaxddp's checks, else a RuntimeError."""
-        self._finished = True
-        first = self._ahead[0] if self._ahead else None
-        problem = None if first is None else first.problem
-        self._drain()  # every byte in flight: every rank posted as many
-        if payloads is None:  # every rank saw the failure at this step: all gather
-            assert first is not None
-            mine = None if problem is None else error_payload(problem, first.reading)
-            payloads = self._check.allgather(mine) if self._size > 1 else [mine]
-        assert payloads is not None
-        if problem is not None:
-            if isinstance(problem, StreamError):
-                raise problem.kind(str(problem))
-            raise problem
-        rank, (kind, text, ours, reading) = next(
-            (r, p) for r, p in enumerate(payloads) if p is not None
-        )
-        if ours:
-            raise KINDS[kind](text)
-        step = self._steps + 1
-        what = f"batch {step} could not be read: {kind}: " if reading else f"stream raised {kind}: "
-        msg = (
-            f"Rank {rank}'s {what}{text} (at step {step} of `jaxddp.join`). Every rank stops "
-            "here, so that none waits for it forever."
-        )
-        raise RuntimeError(msg)
 
     def __repr__(self) -> str:
         return f"jaxddp.join({self._source!r}, batch_size={self._batch_size}) at step {self._steps}"

@@ -219,20 +219,18 @@ class Wire:
         if self.own:
             self.comm.Free()
 
-    def leave(self, steps: int, posted: int) -> None:
+    def leave(self, steps: int, posted: int, *, finalizer: bool = False) -> None:
         """This rank leaves the join before its end, after ``steps`` steps, its bytes posted
         up to step ``posted``: tells every other rank, and gives up on the bytes in flight.
-        From a finalizer on another thread where MPI allows one thread only, at the next
-        join's start; after MPI's end, not at all (no rank is left to tell)."""
+        From a ``finalizer`` run on another thread than the main one (the garbage collector
+        runs where it happens to be), at the next join's start instead; after MPI's end, not
+        at all (no rank is left to tell)."""
         from mpi4py import MPI
 
         if not MPI.Is_initialized() or MPI.Is_finalized():
             return
-        if (
-            MPI.Query_thread() != MPI.THREAD_MULTIPLE
-            and threading.current_thread() is not threading.main_thread()
-        ):
-            _later.append((self, steps, posted))  # a finalizer on another thread
+        if finalizer and threading.current_thread() is not threading.main_thread():
+            _later.append((self, steps, posted))
             return
         self._leave(steps, posted)
 
