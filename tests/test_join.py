@@ -202,3 +202,19 @@ def test_a_batch_that_cannot_be_converted_raises_at_its_step_after_the_batches_b
     assert [b[0, 0] for b, _ in itertools.islice(joined, 2)] == [0.0, 1.0]
     with pytest.raises(RuntimeError, match="on another device"):
         next(joined)
+
+
+def test_a_checkpoint_of_a_join_state_of_other_ranks_names_them_and_nothing_else_does(tmp_path):
+    """Through the manager in one process: a join's state as two ranks save it, restored
+    into a world of one, names the two ranks; a state that merely has `world_size` and
+    `ranks` entries, unlike a join's in count, restores as any other."""
+    state = jaxddp.join(batches(2)).state_dict()
+    two = {**state, "world_size": 2, "ranks": state["ranks"] * 2}
+    other = {"world_size": 4, "ranks": [1, 2, 3]}  # not one entry per rank
+    with jaxddp.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, {"stream": two, "other": other})
+        with pytest.raises(ValueError, match=r"at `\['stream'\]` a state saved on 2 ranks") as e:
+            ckpt.restore(1, {"stream": state, "other": other})
+        ckpt.save(2, {"other": other})
+        assert ckpt.restore(2, {"other": other}) == {"other": other}
+    assert "Resume on 2 ranks" in str(e.value)

@@ -190,8 +190,11 @@ def refuse_other_world(step: int, saved: Any, target: dict[tuple[str, ...], Any]
         if path[-1] != "world_size" or isinstance(world, bool) or not isinstance(world, int):
             continue
         ranks = (*path[:-1], "ranks")
-        had = {p[len(ranks)] for p in saved if p[: len(ranks)] == ranks and len(p) > len(ranks)}
-        if had and len(had) != world:
+        had, has = (
+            {p[len(ranks)] for p in paths if p[: len(ranks)] == ranks and len(p) > len(ranks)}
+            for paths in (saved, target)
+        )
+        if had and len(has) == world and len(had) != world:
             msg = (
                 f"Checkpoint {step} holds at `{_path_text(path[:-1])}` a state saved on "
                 f"{len(had)} ranks (one entry per rank under `ranks`, as the state of "
