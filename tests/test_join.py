@@ -218,3 +218,26 @@ def test_a_checkpoint_of_a_join_state_of_other_ranks_names_them_and_nothing_else
         ckpt.save(2, {"other": other})
         assert ckpt.restore(2, {"other": other}) == {"other": other}
     assert "Resume on 2 ranks" in str(e.value)
+
+
+@needs_grain
+def test_a_grain_streams_state_keeps_one_structure_to_its_end_and_restores_through_the_manager(
+    tmp_path,
+):
+    """A state taken after the stream ended holds its state all the same, so a fresh join's
+    `state_dict()` is the manager's target for it, at any step."""
+    import grain
+
+    dataset = grain.MapDataset.range(6).to_iter_dataset().map(lambda i: {"i": np.int64(i)})
+    dataset = dataset.batch(2)
+    joined = jaxddp.join(dataset)
+    assert len(list(joined)) == 3
+    state = joined.state_dict()
+    assert state["ranks"][0]["ended"]
+    with jaxddp.CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(3, {"stream": state})
+        restored = ckpt.restore(3, {"stream": jaxddp.join(dataset).state_dict()})["stream"]
+    again = jaxddp.join(dataset)
+    again.load_state_dict(restored)
+    assert list(again) == []
+    assert again.state_dict() == state

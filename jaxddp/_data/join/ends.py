@@ -5,7 +5,6 @@ rank at its step; or left early by this rank (``close()``, or the join dropped b
 
 from __future__ import annotations
 
-import contextlib
 from collections import deque
 from typing import Any
 
@@ -91,8 +90,10 @@ class EndsMixin:
         # learn how far this rank's go, and its receives are cancelled.
         if getattr(self, "_wire", None) is not None and not self._finished:
             self._finished = True
-            with contextlib.suppress(Exception):  # a finalizer never raises
+            try:  # noqa: SIM105 - at the interpreter's exit, contextlib may be gone already
                 self._leave(finalizer=True)
+            except Exception:  # noqa: BLE001, S110 - a finalizer never raises
+                pass
 
     # -- a failure, raised on every rank -------------------------------------------------
 

@@ -33,6 +33,7 @@ class StateMixin:
     _loaded: dict[str, Any] | None
     _ahead: Any
     _serial: int
+    _last_state: Any
 
     def _open(self) -> Any:
         raise NotImplementedError
@@ -45,16 +46,18 @@ class StateMixin:
         ``ranks``, one entry per rank: ``taken`` (the real batches of its stream handed out),
         ``ended`` (whether its stream had ended) and, for a stream with a state of its own
         (grain's ``DatasetIterator.get_state()``), ``stream``: its state after the batches
-        handed out, not after those read ahead. Call it on every rank: a rank whose
-        others do not call it (a save under ``if rank == 0:``) raises TimeoutError naming
-        them within ``JAXDDP_CHECK_TIMEOUT`` seconds (half ``JAXDDP_STALL_ABORT`` at most).
+        handed out, not after those read ahead (at its end, once it has ended: the state
+        has one structure all along, so a fresh join's ``state_dict()`` is a checkpoint's
+        target for it). Call it on every rank: a rank whose others do not call it (a save
+        under ``if rank == 0:``) raises TimeoutError naming them within
+        ``JAXDDP_CHECK_TIMEOUT`` seconds (half ``JAXDDP_STALL_ABORT`` at most).
         """
         mine: dict[str, Any] = {"taken": self._taken, "ended": self._ended}
         if not self._started:
             stream = get_state(self._open())
         else:
             stream = self._ahead[0].state if self._ahead else None
-        if stream is not None and not self._ended:
+        if stream is not None:  # at its end too: one structure, whatever the step
             mine["stream"] = stream
         serial = self._serial if self._started else next_serial(self._check)
         ranks = meeting.gather(
@@ -124,7 +127,7 @@ class StateMixin:
         self._taken = int(mine["taken"])
         self._ended = bool(mine["ended"])
         if self._ended:
-            self._stream_over = True
+            self._stream_over, self._last_state = True, mine.get("stream")
             return
         iterator = self._open()
         if "stream" in mine and hasattr(iterator, "set_state"):

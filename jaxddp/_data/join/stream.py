@@ -83,6 +83,7 @@ class JoinedStream(StateMixin, EndsMixin, Iterator[tuple[Any, np.ndarray]]):
         self._size, self._rank = self._check.Get_size(), self._check.Get_rank()
         self._iterator: Iterator[Any] | None = None
         self._stateful = False  # whether the stream has a state of its own (grain's)
+        self._last_state: Any = None  # its state at its end, once it has ended
         self._started = self._finished = self._stream_over = False
         self._steps = 0  # steps handed out
         self._taken = 0  # real batches of this rank's stream handed out
@@ -121,17 +122,17 @@ class JoinedStream(StateMixin, EndsMixin, Iterator[tuple[Any, np.ndarray]]):
         stream, or making arrays of what it yielded) is kept, to be raised at its step on
         every rank."""
         if self._stream_over:
-            return _Ahead(None, None, None)
+            return _Ahead(None, None, self._last_state)
         iterator = self._open()
         state = None
         try:
             state = get_state(iterator) if self._stateful else None
             item = next(iterator)
         except StopIteration:
-            self._stream_over = True
+            self._stream_over, self._last_state = True, state
             return _Ahead(None, None, state)
         except Exception as exc:  # noqa: BLE001 - raised on every rank at its step: see _raise
-            self._stream_over = True
+            self._stream_over, self._last_state = True, state
             return _Ahead(None, exc, state)
         try:
             batch = flatten(item, self._masked)
