@@ -4,9 +4,9 @@ Ranks talk twice. At the first step, one gather of every rank's batch structure,
 batch's size and whether it has one fixes the batch size and the structure (or raises the
 same error on every rank), and the serial of the join's own channel (:mod:`.wire`). Then
 one byte per rank per step, "I have a batch / my stream ended / my stream failed", on that
-channel. A step's byte is posted when its batch is read, :data:`DEPTH` hand-outs before the step, and
-its request is only completed when that step is asked for: by then every rank has long
-posted it and MPI has moved it along at each hand-out since, so waiting for it costs a
+channel. A step's byte is posted when its batch is read, :data:`DEPTH` hand-outs before the
+step, and its request is only completed when that step is asked for: by then every rank has
+long posted it and MPI has moved it along at each hand-out since, so waiting for it costs a
 look, not a meeting of the ranks (the training step's own allreduce already keeps them in
 step). Reading :data:`DEPTH` batches ahead is the price: a stream's state is taken before
 each read, so that a saved state counts the batches handed out, not those read ahead, and
@@ -56,7 +56,8 @@ class _Ahead(NamedTuple):
 class JoinedStream(StateMixin, EndsMixin, Iterator[tuple[Any, np.ndarray]]):
     """What :func:`jaxddp.join` returns: this rank's ``(batch, mask)`` pairs, as many on
     every rank. An iterator over one pass of the stream; :meth:`state_dict` (collective)
-    and :meth:`load_state_dict` resume it mid-stream on the same number of ranks."""
+    and :meth:`load_state_dict` resume it mid-stream on the same number of ranks;
+    :meth:`close` leaves it before its end."""
 
     def __init__(
         self,
