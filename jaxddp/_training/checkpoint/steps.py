@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 from typing import Any
 
 from .sharded import description, remove_stale
@@ -17,13 +19,18 @@ from .trees import (
     verify,
 )
 
-__all__ = ["read_step", "write_step"]
+__all__ = ["read_step", "remove_leftovers", "write_step"]
+
+# Orbax's temporary folder of a step being written: `<step>.orbax-checkpoint-tmp`, with a
+# suffix in some versions; renamed to `<step>` when the write is complete
+_ORBAX_TEMPORARY = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
 
 
 def write_step(manager: Any, step: int, host: Any, entry: dict[str, Any]) -> None:
     """The write of a save, on the writer's background thread: checksums, then Orbax (with
-    ``entry`` in jaxddp's metadata: the description of a ShardedState's slices), then the
-    slices of the steps Orbax no longer lists are removed."""
+    ``entry`` in jaxddp's metadata: the description of a ShardedState's slices); then,
+    whether it succeeded or failed, what no listed step uses is removed
+    (:func:`remove_leftovers`)."""
     import orbax.checkpoint as ocp
 
     try:
@@ -35,8 +42,24 @@ def write_step(manager: Any, step: int, host: Any, entry: dict[str, Any]) -> Non
         # reports a full disk as a ValueError), a RuntimeError as documented
         msg = f"{type(e).__name__}: {e}"
         raise RuntimeError(msg) from e
-    with contextlib.suppress(OSError):
-        remove_stale(os.fspath(manager.directory), manager.all_steps())
+    finally:
+        remove_leftovers(manager)
+
+
+def remove_leftovers(manager: Any) -> None:
+    """Removes, on the writer once its write has ended, what no step Orbax lists will use:
+    Orbax's temporary folders (a write that failed, or a process killed during one, leaves
+    its ``<step>.orbax-checkpoint-tmp`` behind, one per failed step, and Orbax never removes
+    it), and the slices of steps Orbax does not list (``max_to_keep``, a save that failed
+    after its slices were written) with any ``.slices.tmp`` folder. No write is in flight
+    then: a manager writes one save at a time, and Orbax's is synchronous here. Never
+    raises: what cannot be removed now is tried again after the next save."""
+    with contextlib.suppress(Exception):
+        directory = os.fspath(manager.directory)
+        for name in os.listdir(directory):
+            if _ORBAX_TEMPORARY.fullmatch(name):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        remove_stale(directory, manager.all_steps())
 
 
 def read_step(manager: Any, step: int, storable_target: Any, allow_missing: bool) -> Any:
