@@ -10,6 +10,9 @@ ranks waiting in a barrier. ``jaxddp``: every rank calls ``jaxddp.CheckpointMana
 on disk. They take turns; medians. Target: jaxddp at most 1.2x Orbax.
 ``checksums``: the CRC-32 of every array that jaxddp's save computes (part of ``jaxddp``),
 timed alone on rank 0 in the same rounds: the target is at most 10% of the save.
+``compare``: the comparison of the ranks' states that the save makes (every rank's
+checksums and one small allgather, also part of ``jaxddp``; on the writer its checksums are
+the metadata's), timed alone on every rank in the same rounds.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 
 import jaxddp
 from jaxddp._collectives import api as _comm
+from jaxddp._training.checkpoint import replicated as _replicated
 from jaxddp._training.checkpoint import trees as _checkpoint_trees
 
 
@@ -79,11 +83,15 @@ def main() -> None:
             theirs.wait_until_finished()
         comm.Barrier()
 
-    samples: dict[str, list[float]] = {"orbax": [], "jaxddp": [], "checksums": []}
+    samples: dict[str, list[float]] = {"orbax": [], "jaxddp": [], "checksums": [], "compare": []}
+    storable = _checkpoint_trees.to_storable(state)
     fns = {
         "orbax": orbax_save,
         "jaxddp": lambda step: ours.save(step, state),
         "checksums": lambda step: rank == 0 and _checkpoint_trees.checksums(state),
+        "compare": lambda step: _replicated.same_on_every_rank(
+            ours._comm, storable, step=step, doing="compare", copy=False
+        ),
     }
     for step in range(args.repeats + 1):  # the first round warms up
         names = list(fns) if step % 2 == 0 else list(reversed(fns))
@@ -109,6 +117,8 @@ def main() -> None:
         "ratio": medians["jaxddp"] / medians["orbax"],
         "checksums_s": medians["checksums"],
         "checksums_share": medians["checksums"] / medians["jaxddp"],
+        "compare_s": medians["compare"],
+        "compare_share": medians["compare"] / medians["jaxddp"],
         "samples": samples,
     }
     if rank == 0:

@@ -220,6 +220,35 @@ def test_lines_printed_before_another_rank_aborts_reach_the_file(mode, inspector
         assert not missing, f"rank {r}'s {what!r} lines {missing[:5]}... missing of {lines}"
 
 
+@pytest.mark.parametrize("unbuffered", [True, False], ids=["PYTHONUNBUFFERED", "buffered"])
+def test_a_rank_printing_steadily_while_another_raises_keeps_every_line_whole(unbuffered, tmp_path):
+    """Rank 0 prints 1 KB lines steadily (``tests/scripts/abort_output.py steady``) until
+    rank 1's exception aborts the job: every line whose ``print`` returned must be in the
+    job's output, and every line whole. Rank 0 used to go on printing after it had flushed
+    and lose its last lines (in 6 of 8 such jobs); with ``PYTHONUNBUFFERED`` another rank's
+    line came between a line's text and its newline."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1" if unbuffered else "")
+    out = tmp_path / "out.txt"
+    command = [default_mpiexec(), "-n", "2", sys.executable, str(SCRIPTS / "abort_output.py")]
+    with out.open("w") as f:
+        done = subprocess.run(
+            [*command, "steady", str(tmp_path)],
+            check=False, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=60,
+        )  # fmt: skip
+    text = out.read_text()
+    assert done.returncode != 0, text[-3000:]
+    assert "RuntimeError: the last rank fails while the others print" in text, text[-3000:]
+    whole = re.compile(r"^rank 0 steady line (\d{7}) x{1000}$")
+    lines = text.splitlines()
+    broken = [line[:150] for line in lines if "steady line" in line and not whole.match(line)]
+    assert broken == [], broken[:3]
+    got = {int(m.group(1)) for line in lines if (m := whole.match(line))}
+    printed = {int(i) for i in (tmp_path / "truth-0").read_text().split()}
+    assert len(printed) > 100
+    missing = sorted(printed - got)
+    assert missing == [], f"{len(missing)} of {len(printed)} printed lines missing: {missing[:5]}"
+
+
 @pytest.mark.parametrize("np", SIZES)
 def test_gradient_trees_that_differ_without_the_check(np):
     # Off the compilation cache: there the other ranks' `step` is cached from the launches

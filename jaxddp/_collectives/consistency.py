@@ -9,6 +9,10 @@ Every such check (the tree check, :func:`synchronize`, the sampler's checks of i
 arguments and of a loaded state in :mod:`jaxddp._data.agreement`) goes through
 :func:`gather_with_deadline`: a rank that never arrives makes the others raise TimeoutError
 within ``JAXDDP_CHECK_TIMEOUT`` seconds instead of waiting forever.
+
+:func:`roll_call` opens a collective call that a program may call on some ranks only (the
+methods of ``jaxddp.CheckpointManager``, put under ``if rank == 0:``): it names the ranks
+that did not come, and the calls of ranks that came to another one.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ __all__ = [
     "check_same_tree",
     "describe_tree",
     "gather_with_deadline",
+    "roll_call",
+    "roll_call_timeout",
     "synchronize",
 ]
 
@@ -98,6 +104,134 @@ def gather_with_deadline(
     if len(set(digests)) == 1:
         return [mine] * len(digests)
     return comm.allgather(mine)
+
+
+# -- the roll call ------------------------------------------------------------------------
+
+ROLL_CALL_TAG = 0x5243  # "RC", on jaxddp's check communicator (its gathers are collectives)
+ROLL_CALL_GRACE = 1.0  # seconds the others wait beyond the timeout for the first rank's word
+_roll_sends: list[Any] = []  # messages sent and not yet received, kept until they are
+
+
+def roll_call_timeout(env: Any = None) -> float:
+    """Seconds a roll call waits: ``JAXDDP_CHECK_TIMEOUT``, but at most half of
+    ``JAXDDP_STALL_ABORT`` when that is set, so that the error naming the absent ranks
+    comes before the stall inspector ends the job.
+
+    Example:
+      >>> roll_call_timeout({}), roll_call_timeout({"JAXDDP_STALL_ABORT": "40"})
+      (60.0, 20.0)
+    """
+    limit = _settings.check_timeout(env)
+    abort = _settings.stall_abort(env)
+    return limit if abort is None else min(limit, abort / 2)
+
+
+def roll_call(comm: Communicator, call: str, *, why: str, timeout: float | None = None) -> None:
+    """Returns once every rank of ``comm`` has called ``call``; a collective.
+
+    Each rank tells the first rank which call it is in, and the first rank answers every
+    rank (point to point: a rank that never comes leaves nothing half-done but a message,
+    where a collective would meet the next collective of the ranks that did not come). When
+    a rank has not come within ``timeout`` seconds (:func:`roll_call_timeout` by default),
+    the first rank and every rank that came raise TimeoutError naming ``call`` and the
+    ranks that did not come; when some rank came to another call, ValueError naming each
+    rank's call. ``why`` says, in the error, why the call is a collective. A rank whose
+    first rank does not answer raises TimeoutError naming rank 0.
+
+    Example:
+      >>> from jaxddp._collectives import api
+      >>> roll_call(api.py_comm(), "example()", why="it is one")  # a world of one: at once
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    if size == 1:
+        return
+    global _roll_sends
+    _roll_sends = [(r, m) for r, m in _roll_sends if not r.Test()]
+    limit = roll_call_timeout() if timeout is None else timeout
+    deadline = time.monotonic() + limit
+    if rank != 0:
+        _roll_sends.append((comm.isend(call, dest=0, tag=ROLL_CALL_TAG), call))
+        verdict = _poll(comm, [0], deadline + ROLL_CALL_GRACE).get(0, _NO_ANSWER)
+        if verdict is _NO_ANSWER:
+            msg = (
+                f"{call} on rank {rank} waited {limit:g} s for rank 0, which answers for every "
+                f"rank: rank 0 did not call it, or waits for another rank that did not. {why}"
+                f"{_raise_hint(limit)}"
+            )
+            raise TimeoutError(msg)
+        if verdict is not None:
+            kind, msg = verdict
+            raise _ROLL_ERRORS[kind](msg)
+        return
+    calls = _poll(comm, list(range(1, size)), deadline)
+    calls[0] = call
+    absent = [r for r in range(size) if r not in calls]
+    verdict: tuple[str, str] | None = None
+    if any(c != call for c in calls.values()):
+        verdict = ("mismatch", _mismatch(calls))
+    elif absent:
+        verdict = ("absent", _absent(call, absent, limit, why))
+    for r in calls:
+        if r != 0:
+            _roll_sends.append((comm.isend(verdict, dest=r, tag=ROLL_CALL_TAG), verdict))
+    if verdict is not None:
+        raise _ROLL_ERRORS[verdict[0]](verdict[1])
+
+
+_NO_ANSWER = object()
+_ROLL_ERRORS: dict[str, type[Exception]] = {"absent": TimeoutError, "mismatch": ValueError}
+
+
+def _poll(comm: Communicator, sources: list[int], deadline: float) -> dict[int, Any]:
+    """The message of each of ``sources`` that arrives before ``deadline``."""
+    got: dict[int, Any] = {}
+    pause = 1e-5
+    while True:
+        for r in sources:
+            if r not in got:
+                found = comm.improbe(source=r, tag=ROLL_CALL_TAG)
+                if found is not None:
+                    got[r] = found.recv()
+        if len(got) == len(sources) or time.monotonic() > deadline:
+            return got
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 1`` or ``ranks 1, 2 and 3``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
+
+
+def _raise_hint(limit: float) -> str:
+    capped = limit < _settings.check_timeout()
+    return (
+        f" If they are only slow, raise {TIMEOUT_VARIABLE}=<seconds>"
+        + (f" and {_settings.STALL_ABORT.name}, of which it waits half" if capped else "")
+        + "."
+    )
+
+
+def _absent(call: str, absent: list[int], limit: float, why: str) -> str:
+    verb = "has" if len(absent) == 1 else "have"
+    return (
+        f"{call} waited {limit:g} s on rank 0 for {_ranks(absent)}, which {verb} not called "
+        f"it. {why}{_raise_hint(limit)}"
+    )
+
+
+def _mismatch(calls: dict[int, str]) -> str:
+    by_call: dict[str, list[int]] = {}
+    for r in sorted(calls):
+        by_call.setdefault(calls[r], []).append(r)
+    seen = "; ".join(f"{_ranks(rs)} in {c}" for c, rs in by_call.items())
+    return (
+        f"Expected every rank in the same collective call, got {seen}: call them on every "
+        "rank, in the same order."
+    )
 
 
 def check_same_tree(

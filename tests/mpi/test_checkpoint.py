@@ -64,17 +64,16 @@ def _assert_equal(a, b):
 
 
 def test_saved_by_one_rank_restored_identical_on_every_rank(directory):
-    mine = _state(seed=rank)  # rank-dependent: rank 0's is the one saved
     with jaxddp.CheckpointManager(directory) as ckpt:
         assert ckpt.latest_step() is None
-        ckpt.save(1, mine)
-        ckpt.save(2, _state(seed=rank + 10))
+        ckpt.save(1, _state(seed=7))
+        ckpt.save(2, _state(seed=10))
         assert ckpt.all_steps() == [1, 2]
         assert ckpt.latest_step() == 2
-        restored = ckpt.restore(1, target=_state(seed=50))
-    _assert_equal(restored, _state(seed=0))
+        restored = ckpt.restore(1, target=_state(seed=50 + rank))  # values: not used
+    _assert_equal(restored, _state(seed=7))
     assert isinstance(restored["step"], int)
-    assert restored["step"] == 100
+    assert restored["step"] == 107
     assert jnp.issubdtype(restored["key"].dtype, jax.dtypes.prng_key)
     assert isinstance(restored["numpy"], np.ndarray)
     assert sorted(os.listdir(directory)) == (
@@ -84,6 +83,36 @@ def test_saved_by_one_rank_restored_identical_on_every_rank(directory):
     for other in everyone:
         for x, y in zip(other, everyone[0], strict=True):
             np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("differs", ["everything", "a number", "one element"])
+def test_a_state_that_differs_between_ranks_is_refused_on_every_rank(directory, differs):
+    # It used to save rank 0's alone, and a restore gave every rank rank 0's values.
+    state = _state(seed=3)
+    if differs == "everything":
+        state = _state(seed=3 + rank)
+    elif differs == "a number":
+        state["step"] += rank
+    elif rank == size - 1:
+        state["numpy"][2] += 1.0
+    first = {"everything": "['key']", "a number": "['step']", "one element": "['numpy']"}
+    others = (
+        f"rank {size - 1} holds"
+        if differs == "one element" or size == 2
+        else ("ranks 1, 2 and 3 hold")
+    )
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        with pytest.raises(ValueError, match=r"Could not save checkpoint 1 in") as info:
+            ckpt.save(1, state)
+        text = str(info.value)
+        assert f"differs between ranks at `{first[differs]}" in text, text
+        assert f"{others} other values there than rank 0" in text, text
+        assert ("more leaves" in text) == (differs == "everything"), text
+        assert "`nnx.state(optimizer)`" in text
+        assert ckpt.all_steps() == []  # nothing written
+        ckpt.save(1, _state(seed=3))  # the same state on every rank: saved
+        assert ckpt.all_steps() == [1]
+    assert WORLD.bcast(sorted(os.listdir(directory)) if rank == 0 else None) == ["1"]
 
 
 def test_restore_none_is_the_newest_and_max_to_keep_drops_the_oldest(directory):
@@ -211,3 +240,49 @@ def test_an_exception_leaving_the_with_block_on_one_rank_starts_no_collective(di
             raise KeyError("boom")
     WORLD.Barrier()
     assert rank != 1 or ckpt._manager is None  # released on the rank that raised
+
+
+@pytest.mark.parametrize("call", ["latest_step", "save"])
+def test_a_call_on_rank_0_alone_raises_there_naming_the_call_and_the_others(
+    directory, call, monkeypatch
+):
+    # `if rank == 0: ckpt.latest_step()` returned on rank 0 (its broadcast left unmatched,
+    # for another rank's next call to receive); `save` waited in the tree check and raised
+    # a TimeoutError naming neither the call nor the ranks.
+    monkeypatch.setenv("JAXDDP_CHECK_TIMEOUT", "2")
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        if rank == 0:
+            calls = {"latest_step": ckpt.latest_step, "save": lambda: ckpt.save(1, {"w": 1.0})}
+            with pytest.raises(TimeoutError) as info:
+                calls[call]()
+            absent = "rank 1, which has" if size == 2 else "ranks 1, 2 and 3, which have"
+            assert f"CheckpointManager.{call} waited 2 s on rank 0 for {absent} not called it" in (
+                str(info.value)
+            )
+            assert "not under `if rank == 0:`" in str(info.value)
+        WORLD.Barrier()
+        assert ckpt.all_steps() == []  # the manager goes on, on every rank
+
+
+def test_ranks_in_different_calls_raise_on_every_rank(directory):
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        with pytest.raises(ValueError, match="Expected every rank in the same collective") as info:
+            ckpt.save(1, {"w": 1.0}) if rank == 0 else ckpt.latest_step()
+        others = "rank 1" if size == 2 else "ranks 1, 2 and 3"
+        assert (
+            f"rank 0 in CheckpointManager.save; {others} in CheckpointManager.latest_step"
+            in str(info.value)
+        )
+        assert ckpt.all_steps() == []
+
+
+def test_a_call_without_rank_0_raises_on_the_others_naming_rank_0(directory, monkeypatch):
+    monkeypatch.setenv("JAXDDP_CHECK_TIMEOUT", "1")
+    comm = WORLD.Dup()  # what the ranks that came sent to rank 0 stays on this one
+    ckpt = jaxddp.CheckpointManager(directory, comm=comm)
+    if rank != 0:
+        with pytest.raises(
+            TimeoutError, match=r"CheckpointManager.all_steps on rank \d+ waited 1 s for rank 0,"
+        ):
+            ckpt.all_steps()
+    WORLD.Barrier()

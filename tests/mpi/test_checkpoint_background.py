@@ -72,6 +72,24 @@ def test_what_is_written_is_what_was_passed_whatever_the_loop_does_after(directo
     np.testing.assert_array_equal(restored["host"], np.full(1000, 5.0, np.float32))
 
 
+def test_a_settled_write_leaves_no_thread_behind():
+    """The thread counting a write's progress ends with the write, and waiting joins it: it
+    used to be joined by nobody, and a test that looked right after the manager's wait
+    found it alive by chance. Its first look (thousands of files in a temporary folder)
+    outlasts the write here, so it is alive when the write ends, every time. (Each rank its
+    own folder: pytest's `tmp_path` is not safe for ranks sharing one machine.)"""
+    from jaxddp._training.checkpoint import background
+
+    with tempfile.TemporaryDirectory() as folder:
+        junk = os.path.join(folder, "0.orbax-checkpoint-tmp-0")  # walked by every look
+        os.mkdir(junk)
+        for i in range(3000):
+            open(os.path.join(junk, str(i)), "w").close()
+        write = background.Write(7, lambda: None, folder, lambda e: "other")
+        assert write.wait() is None
+        assert [t.name for t in threading.enumerate() if "checkpoint 7" in t.name] == []
+
+
 @pytest.mark.parametrize("next_call", ["save", "latest_step", "restore", "close"])
 def test_a_failed_background_write_is_raised_by_the_next_call_on_every_rank(directory, next_call):
     ckpt = jaxddp.CheckpointManager(directory)

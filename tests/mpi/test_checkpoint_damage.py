@@ -186,12 +186,22 @@ def test_a_full_disk_during_a_save_is_a_runtime_error_on_every_rank():
     where, mounted = WORLD.bcast((where, mounted))
     if not mounted:
         pytest.skip("mounting a small tmpfs needs root")  # the same decision on every rank
+    folder = os.path.join(where, "ckpt")
     try:
-        with jaxddp.CheckpointManager(os.path.join(where, "ckpt")) as ckpt:
+        with jaxddp.CheckpointManager(folder) as ckpt:
             ckpt.save(1, {"w": jnp.arange(1_000_000, dtype=jnp.float32)})
             with pytest.raises(RuntimeError, match=r"save checkpoint 1.*No space left") as info:
                 ckpt.wait_until_finished()
             assert not isinstance(info.value, ValueError)  # tensorstore's own type
+            # the failed write's temporary folder is gone (it stayed, one per failed step,
+            # and filled the disk for good), and the next saves find the room
+            assert WORLD.bcast(os.listdir(folder) if rank == 0 else None) == []
+            ckpt.save(2, {"w": jnp.arange(1_000_000, dtype=jnp.float32)})
+            with pytest.raises(RuntimeError, match=r"save checkpoint 2.*No space left"):
+                ckpt.wait_until_finished()
+            ckpt.save(3, {"w": jnp.arange(1_000, dtype=jnp.float32)})
+            assert ckpt.all_steps() == [3]
+            assert WORLD.bcast(sorted(os.listdir(folder)) if rank == 0 else None) == ["3"]
     finally:
         WORLD.Barrier()
         if rank == 0:

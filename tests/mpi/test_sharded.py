@@ -245,3 +245,18 @@ def test_a_checkpoint_written_on_two_ranks_resumes_on_any_world_size(directory):
     unsharded = (optax.EmptyState(), restored["opt"])
     plain, _ = _functional(SELF, ref_tx)(restored["params"], unsharded, rest)
     _assert_close(plain, expected)
+
+
+def test_a_sharded_state_saved_as_nnx_state_of_the_optimizer_is_refused_on_every_rank(directory):
+    # nnx.state(optimizer) turns the ShardedState into a mapping of arrays, each rank's own
+    # slices: it used to be saved as rank 0's alone, and restored, every rank held those.
+    model, optimizer = _train_nnx(jaxddp.shard_optimizer(optax.adam(1e-3)), 1, 3, True)
+    with jaxddp.CheckpointManager(directory) as ckpt:
+        with pytest.raises(ValueError, match=r"Could not save checkpoint 1 in") as info:
+            ckpt.save(1, {"model": model, "opt": nnx.state(optimizer)})
+        text = str(info.value)
+        assert "differs between ranks at `['opt']['opt_state']['inner']" in text, text
+        assert "save `optimizer.opt_state`" in text
+        assert ckpt.all_steps() == []
+        ckpt.save(1, {"model": model, "opt": optimizer.opt_state})  # as the docs say
+        assert ckpt.all_steps() == [1]

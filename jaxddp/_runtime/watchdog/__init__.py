@@ -9,8 +9,9 @@ thread's stack) and prints one report, the ranks behind first; a rank that does 
 within a few seconds is named as such. After ``JAXDDP_STALL_ABORT`` seconds it prints the
 report and calls ``MPI_Abort``. Rank 1 stands in for a rank 0 whose Python threads cannot
 run (its main thread holding the GIL in C code): it names rank 0 and aborts itself. Before
-any abort, every rank the aborting one can reach flushes its stdout and stderr and waits
-until the launcher has read them (:func:`abort_job`).
+any abort, every rank the aborting one can reach holds its stdout and stderr (what it
+printed is written, later writes wait for the abort) and waits until the launcher has read
+them (:func:`abort_job`).
 
 At exit every rank keeps its watchdog running until all ranks have reached their exit (a
 nonblocking barrier on the watchdog's communicator): a rank that left the loop early is then

@@ -9,9 +9,11 @@ not answering) and, after ``JAXDDP_STALL_ABORT`` seconds, aborts the job itself.
 
 Before any jaxddp abort (:func:`abort_job`: a stall, an uncaught exception, a failing
 ``sys.exit``) the aborting rank writes its line and flushes, asks every rank's watchdog to
-flush its stdout and stderr and to wait until the launcher has read them, waits a moment for
-their answers, then waits for the launcher to have read its own, so that what each rank
-printed reaches the job's output before ``MPI_Abort`` kills it (:mod:`jaxddp._base.streams`).
+hold its stdout and stderr (what was printed is written, later writes wait until the abort
+ends the rank) and to wait until the launcher has read them, waits a moment for their
+answers, then holds its own and waits for the launcher to have read it, so that what each
+rank printed reaches the job's output before ``MPI_Abort`` kills it, even from a rank that
+prints all the while (:mod:`jaxddp._base.streams`).
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ READ_GRACE = 0.5  # seconds a rank waits for the launcher to have read what it f
 
 def abort_job(status: int, line: str) -> None:
     """Ends the whole job with ``MPI_Abort(status)``, its output kept: writes ``line`` to
-    stderr and flushes, asks every other rank to flush its own and wait until the launcher
+    stderr and flushes, asks every other rank to hold its own and wait until the launcher
     has read it (through the watchdog, whose thread answers even while the main thread waits
-    in MPI), waits at most :data:`FLUSH_GRACE` seconds for their answers, then at most
-    :data:`READ_GRACE` seconds for the launcher to have read its own output: MPICH's hydra
-    drops what is still in a rank's pipe when the abort reaches it."""
+    in MPI), waits at most :data:`FLUSH_GRACE` seconds for their answers, then holds its own
+    output and waits at most :data:`READ_GRACE` seconds for the launcher to have read it:
+    MPICH's hydra drops what is still in a rank's pipe when the abort reaches it. Its
+    stderr is given back just before ``MPI_Abort``, which writes its own line there."""
+    global _aborting
+    _aborting = True  # this rank answers others' requests without holding its output
     with contextlib.suppress(Exception):
         sys.stderr.write(line)
     _streams.flush()
@@ -57,11 +62,17 @@ def abort_job(status: int, line: str) -> None:
     if isinstance(dog, _Watchdog):
         with contextlib.suppress(Exception):
             dog.flush_everyone(FLUSH_GRACE)
-    _streams.flush()  # what the main thread printed meanwhile
+    with contextlib.suppress(Exception):
+        _streams.hold()  # what the other threads printed meanwhile is written, no more
     _streams.wait_until_read(READ_GRACE)
+    with contextlib.suppress(Exception):
+        _streams.release((2,))
     from mpi4py import MPI
 
     MPI.COMM_WORLD.Abort(status)
+
+
+_aborting = False  # whether this rank is in abort_job
 
 
 # -- the watchdog thread ------------------------------------------------------------------
@@ -184,7 +195,10 @@ class _Watchdog:
         while self.comm.Iprobe(source=self.MPI.ANY_SOURCE, tag=_TAG_FLUSH, status=status):
             source = status.Get_source()
             self.comm.Recv(self.flush_token, source=source, tag=_TAG_FLUSH)
-            _streams.flush()
+            if _aborting:  # this rank's own abort holds its output, and must write its line
+                _streams.flush()
+            else:  # what was printed is written; later writes wait for the abort
+                _streams.hold(limit=_streams.HOLD_LIMIT)
             _streams.wait_until_read(READ_GRACE)  # before the answer that lets it abort
             self.sends.append(self.comm.Isend(self.flush_token, dest=source, tag=_TAG_FLUSHED))
 

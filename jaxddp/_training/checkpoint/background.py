@@ -52,7 +52,8 @@ class Write:
     ``(kind, text)`` where ``kind`` names the type to raise (see the manager's ``_ERRORS``).
 
     A second thread looks at the write's temporary folders once a second and counts each
-    change as progress for the stall inspector. The waiting thread itself blocks in one
+    change as progress for the stall inspector; it ends as soon as the write does, and
+    :meth:`wait` joins both. The waiting thread itself blocks in one
     ``join``: a wait that polled would look like progress, and a write that stopped would
     never be reported."""
 
@@ -65,10 +66,11 @@ class Write:
         self._thread = threading.Thread(
             target=self._run, name=f"jaxddp checkpoint {step}", daemon=True
         )
-        self._thread.start()
-        threading.Thread(
+        self._counter = threading.Thread(
             target=self._count_progress, name=f"jaxddp checkpoint {step} progress", daemon=True
-        ).start()
+        )
+        self._thread.start()
+        self._counter.start()
 
     def _run(self) -> None:
         try:
@@ -90,8 +92,11 @@ class Write:
         return self._finished.is_set()
 
     def wait(self) -> tuple[str, str] | None:
-        """Waits for the write to end; returns its error, if any."""
+        """Waits for the write to end, and for the thread counting its progress, which ends
+        at most one look later; returns the write's error, if any. Neither thread is left
+        running once a save is settled."""
         self._thread.join()
+        self._counter.join()
         return self.error
 
 

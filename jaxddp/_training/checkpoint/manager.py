@@ -23,15 +23,14 @@ import warnings
 from typing import Any, Self
 
 import jax
-import numpy as np
 
 from ..._collectives import api as _comm
 from ..._collectives import consistency as _consistency
 from ..._runtime import world as _world
 from ..._types import Communicator
 from . import background as _background
-from . import sharded
-from .steps import read_step, write_step
+from . import replicated, sharded
+from .steps import check_step, move_aside, open_orbax, read_step, write_step
 from .trees import DamagedCheckpointError, restored_like, to_storable
 
 __all__ = ["CheckpointManager", "DamagedCheckpointError"]
@@ -44,7 +43,9 @@ class CheckpointManager:
 
     Used like Orbax's ``CheckpointManager``: ``save(step, state)``, ``latest_step()``,
     ``restore(step, target)``. Every method is collective over ``comm``: every rank calls
-    it, in the same order. The first rank writes (Orbax's atomic finalize: a crash or a
+    it, in the same order (a method called on some ranks only, as under ``if rank == 0:``,
+    raises TimeoutError there naming the ranks that did not call it, within
+    ``JAXDDP_CHECK_TIMEOUT`` seconds or half of ``JAXDDP_STALL_ABORT``). The first rank writes (Orbax's atomic finalize: a crash or a
     ``kill -9`` during a save leaves the previous checkpoints intact and loadable).
 
     ``save`` returns once the writing rank holds its own copy of the state in host memory;
@@ -61,9 +62,11 @@ class CheckpointManager:
     ``state`` is any pytree of arrays and numbers: parameters, optimizer state,
     ``nnx.state(model)``, a linen ``TrainState``, the sampler's ``state_dict()``, the step
     counter, PRNG keys (typed keys are stored as their key data and come back as keys of the
-    target's kind). The ranks' states should be identical (after
+    target's kind). The ranks' states must be identical (after
     :func:`jaxddp.allreduce_gradients` and :func:`jaxddp.average_state` they are): the first
-    rank's is the one saved. Their structures are checked to match.
+    rank's is the one saved, so a save where any rank holds other values (compared by
+    checksum; a ``ShardedState``'s slices, each rank's own, excepted) is refused on every
+    rank with a ValueError naming the entry.
 
     Needs ``orbax-checkpoint`` (``pip install jaxddp[checkpoint]``).
 
@@ -104,25 +107,11 @@ class CheckpointManager:
         self.directory = os.path.abspath(os.fspath(directory))
         self._manager: Any = None
         self._damaged: set[int] = set()  # steps that restore found damaged, on every rank
-
-        def open_manager() -> None:
-            import orbax.checkpoint as ocp
-
-            # Synchronous: a save returns complete anyway, and an asynchronous one that fails
-            # early (the step's folder cannot be made) leaves Orbax's commit threads waiting
-            # for a signal that never comes: non-daemon threads that keep the writer from
-            # exiting for Orbax's 300 s timeout. The synchronous save costs the same.
-            options = ocp.CheckpointManagerOptions(
-                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
-            )
-            self._manager = ocp.CheckpointManager(
-                self.directory,
-                options=options,
-                # known before the first save, so that a new process can read the metadata
-                item_handlers=ocp.StandardCheckpointHandler(),
-            )
-
-        self._on_writer(open_manager, f"open the checkpoint directory {self.directory!r}")
+        self._meet("CheckpointManager(...)")
+        self._manager = self._on_writer(
+            lambda: open_orbax(self.directory, max_to_keep),
+            f"open the checkpoint directory {self.directory!r}",
+        )
 
     # -- the one pattern: the writer acts, every rank learns the outcome --------------------
 
@@ -149,6 +138,10 @@ class CheckpointManager:
             where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
             msg = f"Could not {doing}{where}: {text}"
             raise _ERRORS[kind](msg)
+
+    def _meet(self, call: str) -> None:
+        """Returns once every rank has called ``call`` (:func:`.consistency.roll_call`)."""
+        _consistency.roll_call(self._comm, call, why=_COLLECTIVE)
 
     def _manager_or_raise(self) -> Any:
         if self._writer and self._manager is None:
@@ -190,15 +183,23 @@ class CheckpointManager:
         A step is saved once, except one that :meth:`restore` found damaged (and skipped):
         its folder is moved aside to ``<step>.damaged`` (named in a RuntimeWarning on every
         rank) and the step is saved anew."""
-        step = _check_step(step)
+        self._meet("CheckpointManager.save")
+        step = check_step(step)
         storable = to_storable(state)
         _consistency.check_same_tree(storable, what="checkpointed state", comm=self._user_comm)
         self._settle()
         if step in self._damaged:
             self._replace_damaged(step)
+        doing = f"save checkpoint {step} in {self.directory!r}"
+        tree, pieces = sharded.split_state(self._comm, storable, step)  # the slices: apart
+        # the same on every rank where it must be (the slices aside), or refused on every
+        # rank before anything is written; the writer holds its host copy
+        host = replicated.same_on_every_rank(
+            self._comm, tree, step=step, doing=doing, copy=self._writer and self._background
+        )
         # a ShardedState's slices: written by every rank, complete before Orbax lists the step
-        tree, entry = sharded.save_slices(
-            self._comm, self.directory, step, storable, self._manager_or_raise
+        entry = sharded.save_slices(
+            self._comm, self.directory, step, pieces, self._manager_or_raise
         )
 
         def start() -> None:
@@ -209,13 +210,11 @@ class CheckpointManager:
                     "a damaged one, and its next save replaces it)."
                 )
                 raise RuntimeError(msg)
-            # blocking: this thread waits below, and nothing can change the arrays meanwhile
-            host = _background.host_copy(tree) if self._background else tree
             self._write = _background.Write(
                 step, lambda: write_step(manager, step, host, entry), self.directory, _kind
             )
 
-        self._on_writer(start, f"save checkpoint {step} in {self.directory!r}")
+        self._on_writer(start, doing)
         self._in_flight = step
         _background.in_flight(self)
         if not self._background:
@@ -224,26 +223,16 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Waits until the save in flight is complete on disk, on every rank; raises its
         error, if it failed, on every rank. Collective."""
+        self._meet("CheckpointManager.wait_until_finished")
         self._settle()
 
     def _replace_damaged(self, step: int) -> None:
         """Moves the folder of ``step``, found damaged, aside so that it can be saved anew."""
 
-        def move() -> str | None:
-            manager = self._manager_or_raise()
-            folder = os.path.join(self.directory, str(step))  # Orbax's name of the step
-            if not os.path.isdir(folder):
-                return None
-            aside, n = f"{folder}.damaged", 1  # Orbax lists only folders named as a step
-            while os.path.lexists(aside):
-                aside, n = f"{folder}.damaged-{n}", n + 1
-            os.rename(folder, aside)
-            if os.path.isdir(sharded.slices_folder(self.directory, step)):
-                os.rename(sharded.slices_folder(self.directory, step), f"{aside}.slices")
-            manager.reload()
-            return aside
-
-        aside = self._on_writer(move, f"move the damaged checkpoint {step} aside")
+        aside = self._on_writer(
+            lambda: move_aside(self._manager_or_raise(), self.directory, step),
+            f"move the damaged checkpoint {step} aside",
+        )
         aside = self._comm.bcast(aside, root=_ROOT)
         self._damaged.discard(step)
         if aside is not None:
@@ -257,6 +246,10 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         """The steps of the complete checkpoints, oldest first, the same on every rank (after
         the save in flight is complete)."""
+        self._meet("CheckpointManager.all_steps")
+        return self._all_steps()
+
+    def _all_steps(self) -> list[int]:
         self._settle()
         steps = self._on_writer(
             lambda: sorted(self._manager_or_raise().all_steps()),
@@ -266,7 +259,8 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None; the same on every rank."""
-        steps = self.all_steps()
+        self._meet("CheckpointManager.latest_step")
+        steps = self._all_steps()
         return steps[-1] if steps else None
 
     def restore(self, step: int | None, target: Any, *,
@@ -298,14 +292,15 @@ class CheckpointManager:
             every rank, instead of calling it damaged. Checksums that are there are
             verified all the same.
         """
+        self._meet("CheckpointManager.restore")
         self._settle()
         if step is None:
-            candidates = self.all_steps()[::-1]
+            candidates = self._all_steps()[::-1]
             if not candidates:
                 msg = f"There is no checkpoint in {self.directory!r} to restore."
                 raise FileNotFoundError(msg)
         else:
-            candidates = [_check_step(step)]
+            candidates = [check_step(step)]
         storable_target = to_storable(target)
         _consistency.check_same_tree(storable_target, what="restore target", comm=self._user_comm)
         storable_target, wanted = sharded.split_target(self._comm, storable_target)  # slices: below
@@ -350,6 +345,11 @@ class CheckpointManager:
         """Waits for the save in flight and releases Orbax; collective. Raises the save's
         error, if it failed, on every rank (Orbax is released all the same)."""
         try:
+            self._meet("CheckpointManager.close")
+        except Exception:
+            self._release_alone()  # not every rank is here: nothing collective
+            raise
+        try:
             self._settle()
         finally:
             if self._writer and self._manager is not None:
@@ -366,8 +366,11 @@ class CheckpointManager:
             self.close()
             return
         # An exception is propagating on this rank: no collective now (the other ranks may
-        # be elsewhere, and the exception must reach the fail-fast abort). Finish this
-        # rank's write and release Orbax here alone.
+        # be elsewhere, and the exception must reach the fail-fast abort).
+        self._release_alone()
+
+    def _release_alone(self) -> None:
+        """Finishes this rank's write and releases Orbax here alone."""
         self._wait_alone()
         if self._manager is not None:
             manager, self._manager = self._manager, None
@@ -376,6 +379,12 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"jaxddp.CheckpointManager({self.directory!r})"
+
+
+_COLLECTIVE = (
+    "Every method of jaxddp.CheckpointManager is a collective (the first rank writes, and "
+    "every rank learns the outcome): call it on every rank, not under `if rank == 0:`."
+)
 
 
 def _kind(error: BaseException) -> str:
@@ -389,10 +398,3 @@ _ERRORS: dict[str, type[Exception]] = {
     "invalid": ValueError,
     "other": RuntimeError,
 }
-
-
-def _check_step(step: Any) -> int:
-    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-        msg = f"Expected `step` to be a non-negative int, got {step!r} instead."
-        raise ValueError(msg)
-    return int(step)

@@ -33,6 +33,7 @@ __all__ = [
     "restore_slices",
     "save_slices",
     "slices_folder",
+    "split_state",
     "split_target",
 ]
 
@@ -90,17 +91,21 @@ def split_target(comm: Communicator, storable: Any) -> tuple[Any, list[slices.Pi
     return agree(comm, lambda: slices.split(storable), "restore into this target")
 
 
-def save_slices(comm: Communicator, directory: str, step: int, storable: Any,
-                manager: Callable[[], Any]) -> tuple[Any, dict[str, Any]]:  # fmt: skip
-    """The state as Orbax saves it (:func:`.slices.split`), and for the step's metadata
-    entry, ``{"slices": description}`` (on the first rank; ``{}`` for a state without a
-    ShardedState) once every rank's slices are written into ``<step>.slices``; collective.
-    ``manager()`` (on the first rank) gives Orbax's manager: a step it lists is not saved
-    again."""
-    tree, pieces = agree(comm, lambda: slices.split(storable), f"save checkpoint {step}")
+def split_state(comm: Communicator, storable: Any, step: int) -> tuple[Any, list[slices.Piece]]:
+    """:func:`.slices.split` of a state to save, its errors agreed: the state as Orbax
+    saves it, and this rank's slices; collective."""
+    return agree(comm, lambda: slices.split(storable), f"save checkpoint {step}")
+
+
+def save_slices(comm: Communicator, directory: str, step: int, pieces: list[slices.Piece],
+                manager: Callable[[], Any]) -> dict[str, Any]:  # fmt: skip
+    """For the step's metadata entry, ``{"slices": description}`` (on the first rank; ``{}``
+    for a state without a ShardedState) once every rank's slices (``pieces``, from
+    :func:`split_state`) are written into ``<step>.slices``; collective. ``manager()`` (on
+    the first rank) gives Orbax's manager: a step it lists is not saved again."""
     if not pieces:
-        return tree, {}
-    return tree, {"slices": _write(comm, directory, step, pieces, manager)}
+        return {}
+    return {"slices": _write(comm, directory, step, pieces, manager)}
 
 
 def _write(comm: Communicator, directory: str, step: int, pieces: list[slices.Piece],

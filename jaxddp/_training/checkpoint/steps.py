@@ -1,13 +1,18 @@
-"""What the writing rank does with Orbax for one step: write it (checksums first), read it
-back verified against its target and its checksums."""
+"""What the writing rank does with Orbax: open the directory; for one step, write it
+(checksums first), read it back verified against its target and its checksums, move it
+aside when it was found damaged."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 from typing import Any
 
-from .sharded import description, remove_stale
+import numpy as np
+
+from .sharded import description, remove_stale, slices_folder
 from .trees import (
     METADATA_KEY,
     DamagedCheckpointError,
@@ -17,13 +22,62 @@ from .trees import (
     verify,
 )
 
-__all__ = ["read_step", "write_step"]
+__all__ = ["check_step", "move_aside", "open_orbax", "read_step", "remove_leftovers", "write_step"]
+
+# Orbax's temporary folder of a step being written: `<step>.orbax-checkpoint-tmp`, with a
+# suffix in some versions; renamed to `<step>` when the write is complete
+_ORBAX_TEMPORARY = re.compile(r"\d+\.orbax-checkpoint-tmp.*")
+
+
+def check_step(step: Any) -> int:
+    """``step`` as an int, or ValueError."""
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        msg = f"Expected `step` to be a non-negative int, got {step!r} instead."
+        raise ValueError(msg)
+    return int(step)
+
+
+def open_orbax(directory: str, max_to_keep: int | None) -> Any:
+    """Orbax's single-process manager of ``directory`` (created if missing)."""
+    import orbax.checkpoint as ocp
+
+    # Synchronous: a save returns complete anyway, and an asynchronous one that fails early
+    # (the step's folder cannot be made) leaves Orbax's commit threads waiting for a signal
+    # that never comes: non-daemon threads that keep the writer from exiting for Orbax's
+    # 300 s timeout. The synchronous save costs the same.
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+    )
+    return ocp.CheckpointManager(
+        directory,
+        options=options,
+        # known before the first save, so that a new process can read the metadata
+        item_handlers=ocp.StandardCheckpointHandler(),
+    )
+
+
+def move_aside(manager: Any, directory: str, step: int) -> str | None:
+    """Moves the folder of ``step`` (and its slices), found damaged, aside so that it can be
+    saved anew; returns where to, or None when there was no folder. Orbax lists only
+    folders named as a step, so it no longer sees it."""
+    folder = os.path.join(directory, str(step))  # Orbax's name of the step
+    if not os.path.isdir(folder):
+        return None
+    aside, n = f"{folder}.damaged", 1
+    while os.path.lexists(aside):
+        aside, n = f"{folder}.damaged-{n}", n + 1
+    os.rename(folder, aside)
+    if os.path.isdir(slices_folder(directory, step)):
+        os.rename(slices_folder(directory, step), f"{aside}.slices")
+    manager.reload()
+    return aside
 
 
 def write_step(manager: Any, step: int, host: Any, entry: dict[str, Any]) -> None:
     """The write of a save, on the writer's background thread: checksums, then Orbax (with
-    ``entry`` in jaxddp's metadata: the description of a ShardedState's slices), then the
-    slices of the steps Orbax no longer lists are removed."""
+    ``entry`` in jaxddp's metadata: the description of a ShardedState's slices); then,
+    whether it succeeded or failed, what no listed step uses is removed
+    (:func:`remove_leftovers`)."""
     import orbax.checkpoint as ocp
 
     try:
@@ -35,8 +89,24 @@ def write_step(manager: Any, step: int, host: Any, entry: dict[str, Any]) -> Non
         # reports a full disk as a ValueError), a RuntimeError as documented
         msg = f"{type(e).__name__}: {e}"
         raise RuntimeError(msg) from e
-    with contextlib.suppress(OSError):
-        remove_stale(os.fspath(manager.directory), manager.all_steps())
+    finally:
+        remove_leftovers(manager)
+
+
+def remove_leftovers(manager: Any) -> None:
+    """Removes, on the writer once its write has ended, what no step Orbax lists will use:
+    Orbax's temporary folders (a write that failed, or a process killed during one, leaves
+    its ``<step>.orbax-checkpoint-tmp`` behind, one per failed step, and Orbax never removes
+    it), and the slices of steps Orbax does not list (``max_to_keep``, a save that failed
+    after its slices were written) with any ``.slices.tmp`` folder. No write is in flight
+    then: a manager writes one save at a time, and Orbax's is synchronous here. Never
+    raises: what cannot be removed now is tried again after the next save."""
+    with contextlib.suppress(Exception):
+        directory = os.fspath(manager.directory)
+        for name in os.listdir(directory):
+            if _ORBAX_TEMPORARY.fullmatch(name):
+                shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+        remove_stale(directory, manager.all_steps())
 
 
 def read_step(manager: Any, step: int, storable_target: Any, allow_missing: bool) -> Any:
