@@ -177,12 +177,27 @@ def install_stack(session: nox.Session, *extras: str, jax: str | None = None) ->
     build = ["setuptools>=82.0.1", "wheel", "nanobind>=2.0.0"]
     install(session, *pins, "mpich", "mpi4py", *build)
     bindir = Path(session.bin)
-    env = {"MPI4JAX_BUILD_MPICC": str(bindir / "mpicc"), **cuda_build_env()}
+    env = {**mpi4jax_build_env(bindir.parent), **cuda_build_env()}
     if "PATH" in env:
         env["PATH"] = os.pathsep.join([str(bindir), env["PATH"]])
     install(session, mpi4jax_wheel(session, env), *pins)
     spec = f".[{','.join(('mpich', *extras))}]"
     install(session, "-e", spec, *pins)
+
+
+def mpi4jax_build_env(prefix: Path) -> dict[str, str]:
+    """The environment that builds mpi4jax against the MPI installed in ``prefix`` (the
+    ``mpich`` wheel's, in a venv): its compiler wrapper, and its folders first in the
+    compile and the link. setuptools passes the building Python's own library folder before
+    the wrapper's (for a shared libpython: Ubuntu's ``/usr/lib/x86_64-linux-gnu``, where a
+    system Open MPI keeps its ``libmpi.so``), so without ``LDFLAGS`` mpi4jax linked that
+    Open MPI on such an image; ``LDFLAGS`` comes before that folder."""
+    lib, include = prefix / "lib", prefix / "include"
+    return {
+        "MPI4JAX_BUILD_MPICC": str(prefix / "bin" / "mpicc"),
+        "LDFLAGS": f"-L{lib} -Wl,-rpath,{lib}",
+        "CPPFLAGS": f"-I{include}",
+    }
 
 
 # mpi4jax wheels built by earlier sessions, one per build key (see mpi4jax_wheel): a clean
@@ -211,7 +226,8 @@ def mpi4jax_wheel(session: nox.Session, env: dict[str, str]) -> str:
         "m.version('mpich'), m.version('mpi4py'))"
     )
     stack = session.run_install("python", "-c", code, silent=True)
-    venv = {k: v.replace(session.bin, "<venv>/bin") for k, v in sorted(env.items())}
+    root = str(Path(session.bin).parent)
+    venv = {k: v.replace(root, "<venv>") for k, v in sorted(env.items())}
     key = "\n".join([sdist.name, str(stack).strip(), repr(venv)])
     folder = WHEELS / hashlib.sha256(key.encode()).hexdigest()[:16]
     built = sorted(folder.glob("mpi4jax-*.whl"))

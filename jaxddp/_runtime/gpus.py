@@ -48,11 +48,10 @@ class Assignment:
         """One line for ``jaxddp doctor``."""
         if self.ordinal is None:
             return self.why
-        bus = self.seen[self.ordinal]
-        others = [r for r in self.sharing if r != self.rank]
-        shared = f", shared with rank(s) {', '.join(map(str, others))}" if others else ""
+        others = [str(r) for r in self.sharing if r != self.rank]
+        shared = f", shared with rank{'s' * (len(others) > 1)} {', '.join(others)}" if others else ""
         done = f"; jaxddp set {', '.join(self.changes)}" if self.changes else ""
-        return f"GPU {self.ordinal} of the {len(self.seen)} it sees ({bus}){shared}{done}: {self.why}"
+        return f"GPU {self.ordinal} ({self.seen[self.ordinal]}: {self.why}){shared}{done}"
 
 
 _assignment: Assignment | None = None
@@ -110,5 +109,5 @@ def assign(MPI: Any) -> None:
     if len(seen) == 1:
         why = "the one GPU this rank sees"
     else:
-        why = f"node-local rank {local_rank} takes GPU {local_rank} mod {len(seen)}"
+        why = f"of {len(seen)}, by node-local rank {local_rank}"
     _assignment = Assignment(tuple(seen), ordinal, sharing, tuple(changes), why, rank)

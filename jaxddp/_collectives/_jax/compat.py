@@ -61,6 +61,7 @@ __all__ = [
     "replay_context",
     "set_current_trace",
     "set_jit_staging_rule",
+    "mpi4jax_has_cuda",
     "mpi4jax_stages_through_host",
     "silence_mpi4jax_version_warning",
     "unverified_reason",
@@ -260,6 +261,14 @@ def mpi4jax_stages_through_host(on: bool) -> None:
 
         mpi_xla_bridge_cuda.set_copy_to_host(on)
         decorators._cuda_mpi_setup_done = True  # mpi4jax's own rule must not undo it
+
+
+def mpi4jax_has_cuda() -> bool:
+    """Whether mpi4jax's CUDA extension imports (its CUDA targets are registered)."""
+    silence_mpi4jax_version_warning()
+    from mpi4jax._src.xla_bridge import HAS_CUDA_EXT
+
+    return bool(HAS_CUDA_EXT)
 
 
 def silence_mpi4jax_version_warning() -> None:
