@@ -364,6 +364,40 @@ def demo(session: nox.Session) -> None:
     )
 
 
+# What tests/gpu/run.sh installs on a GPU machine that reaches no package registry, for that
+# machine's Python (../shared/FACTS.md: 3.12, with JAX and its CUDA plugin, flax, optax,
+# orbax); the exact versions this suite runs with. The device tool carries gpu-wheels/.
+GPU_WHEELS = ROOT / "gpu-wheels"
+GPU_PACKAGES = (
+    "mpich==5.0.2", "mpi4py==4.1.2", "setuptools>=82.0.1", "wheel", "nanobind>=2.0.0",
+    "pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6",
+)  # fmt: skip
+
+
+@nox.session(default=False)
+def gpu_wheels(session: nox.Session) -> None:
+    """Downloads into gpu-wheels/ what the GPU check (`bash tests/gpu/run.sh`) installs on a
+    machine without a package registry: the wheels of GPU_PACKAGES for CPython 3.12 on
+    x86-64 Linux (`nox -s gpu_wheels -- 3.13` for another Python) and mpi4jax's sdist."""
+    python = session.posargs[0] if session.posargs else "3.12"
+    shutil.rmtree(GPU_WHEELS, ignore_errors=True)
+    install(session, "pip", "setuptools>=82.0.1", "wheel")
+    platforms = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                 "manylinux1_x86_64", "manylinux_2_5_x86_64")  # fmt: skip
+    tag = "cp" + python.replace(".", "")
+    session.run(
+        "python", "-m", "pip", "download", "--only-binary=:all:", "--python-version", python,
+        "--implementation", "cp", "--abi", tag, "--abi", "abi3", "--abi", "none",
+        *(f"--platform={p}" for p in platforms), "-d", str(GPU_WHEELS), *GPU_PACKAGES,
+    )  # fmt: skip
+    session.run(
+        "python", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        "--no-build-isolation", "mpi4jax==0.9.1.post2", "-d", str(GPU_WHEELS),
+    )  # fmt: skip
+    total = sum(f.stat().st_size for f in GPU_WHEELS.iterdir())
+    session.log(f"{len(list(GPU_WHEELS.iterdir()))} files, {total / 2**20:.1f} MiB in {GPU_WHEELS}")
+
+
 # mkdocstrings formats the signatures with ruff when it is installed.
 DOCS_REQUIREMENTS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.27", "ruff")
 

@@ -37,10 +37,12 @@ def test_local_rank_matches_the_launcher():
 
 
 def _ours():
-    """The FFI target of jaxddp's own allreduce in this launch's programs."""
+    """The FFI target of jaxddp's own allreduce in this launch's programs (on a GPU, or on
+    the CPU where this launch runs the GPU's handlers, the staged one)."""
     from jaxddp import _native
 
-    return _native.gpu_target("allreduce") if _native.cpu_staged() else _native.TARGET
+    on_gpu = jax.default_backend() == "gpu" or _native.cpu_staged()
+    return _native.gpu_target("allreduce") if on_gpu else _native.TARGET
 
 
 def test_jitted_allreduces_run_jaxddps_own_handler_on_every_rank():
@@ -313,6 +315,7 @@ def test_a_nan_on_any_rank_is_the_max_and_the_min_on_every_path(op, path, monkey
     if path == "jit-mpi4jax":
         monkeypatch.setattr(_native, "allreduce_target", lambda: None)
         monkeypatch.setattr(_native, "cpu_staged", lambda: False)
+        monkeypatch.setattr(_native, "gpu_target", lambda kind: None)
     if path == "jit-mpi":
         _native._share_on(False)
     try:
