@@ -104,7 +104,9 @@ def lines(rows: Sequence[GpuFacts]) -> list[str]:
     first = rows[0]
     if first.mpi4jax_cuda is not None:
         has = "has" if first.mpi4jax_cuda else "has no"
-        out += wrap(f"mpi4jax {has} its CUDA extension (needed only without jaxddp's)", "  ", "    ")
+        out += wrap(
+            f"mpi4jax {has} its CUDA extension (needed only without jaxddp's)", "  ", "    "
+        )
     if first.libraries:
         out += wrap(f"loaded (rank 0): {', '.join(first.libraries)}", "  ", "    ")
     return out
@@ -131,7 +133,12 @@ def problems(rows: Sequence[GpuFacts]) -> list[str]:
                 f"`XLA_PYTHON_CLIENT_MEM_FRACTION={0.9 / len(r.sharing):.2f}`."
             )
     first = rows[0] if rows else None
-    if first and first.jax_cuda and _native.gpu_target("allreduce") is None and not first.mpi4jax_cuda:
+    if (
+        first
+        and first.jax_cuda
+        and _native.gpu_target("allreduce") is None
+        and not first.mpi4jax_cuda
+    ):
         found.append(
             "JAX computes on GPUs here, but jaxddp's GPU handlers are not in use "
             f"({_native.gpu_status()}) and mpi4jax has no CUDA extension: a jitted step "

@@ -36,6 +36,7 @@ of every other launch (3 or 4 ranks, a variant, a group) are marked ``slow``.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import re
 import shutil
@@ -44,7 +45,6 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

@@ -49,7 +49,9 @@ class Assignment:
         if self.ordinal is None:
             return self.why
         others = [str(r) for r in self.sharing if r != self.rank]
-        shared = f", shared with rank{'s' * (len(others) > 1)} {', '.join(others)}" if others else ""
+        shared = (
+            f", shared with rank{'s' * (len(others) > 1)} {', '.join(others)}" if others else ""
+        )
         done = f"; jaxddp set {', '.join(self.changes)}" if self.changes else ""
         return f"GPU {self.ordinal} ({self.seen[self.ordinal]}: {self.why}){shared}{done}"
 

@@ -84,7 +84,7 @@ def test_on_mpi4jaxs_route_its_cuda_handlers_are_told_to_stage_through_host(monk
 
     monkeypatch.setattr(_native, "gpu_target", lambda kind: None)
     x = jnp.arange(4.0, dtype=jnp.float32)
-    fresh = jax.jit(lambda x: _every_kind(x))  # not the lowering cached by the test before
+    fresh = jax.jit(_every_kind)  # not the lowering cached by the test before
     lowered = fresh.trace(x).lower(lowering_platforms=("cuda",))
     targets = [target for target, _, _ in _calls(lowered.as_text())]
     assert targets == [f"mpi_{k}_ffi" for k in staged.KINDS]
@@ -139,3 +139,17 @@ def test_a_float_maximum_keeps_a_nan_and_a_mean_is_exact_through_the_staging():
     np.testing.assert_array_equal(got[size:], np.arange(size, 10) + size - 1)
     mean = jax.jit(lambda x: jaxddp.allreduce(x, op="mean"))(jnp.full(7, rank, jnp.float32))
     np.testing.assert_allclose(np.asarray(mean), (size - 1) / 2)
+
+
+def test_a_gpu_program_with_no_handler_for_its_collectives_is_an_error_naming_the_fix(
+    monkeypatch,
+):
+    from jaxddp._collectives._jax import compat
+
+    monkeypatch.setattr(_native, "gpu_target", lambda kind: None)
+    monkeypatch.setattr(compat, "mpi4jax_has_cuda", lambda: False)
+    fresh = jax.jit(lambda x: jaxddp.allreduce(x, op="sum") + 1)
+    with pytest.raises(RuntimeError, match="cannot run in a program for a GPU") as error:
+        fresh.trace(jnp.ones(3)).lower(lowering_platforms=("cuda",))
+    assert "JAXDDP_NATIVE_ALLREDUCE" in str(error.value)
+    assert "CUDA_ROOT" in str(error.value)

@@ -17,10 +17,10 @@ for assignment in filter(None, extra.split(";")):
     name, _, value = assignment.partition("=")
     os.environ[name] = value
 
-import jax  # noqa: E402
+import jax
 
-import jaxddp  # noqa: E402
-from jaxddp._runtime import gpus  # noqa: E402
+import jaxddp
+from jaxddp._runtime import gpus
 
 done = gpus.assignment()
 print(

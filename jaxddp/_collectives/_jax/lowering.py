@@ -74,6 +74,15 @@ def _target(kind: str, platforms: tuple[str, ...]) -> str:
     if platforms == ("cuda",) and (staged := _native.gpu_target(kind)) is not None:
         return staged
     if "cuda" in platforms:  # mpi4jax's CUDA handler: told how to treat GPU buffers
+        if not compat.mpi4jax_has_cuda():
+            msg = (
+                f"jaxddp's {record.name} cannot run in a program for a GPU here: jaxddp's GPU "
+                f"handlers are not in use ({_native.gpu_status()}) and mpi4jax has no CUDA "
+                "extension. Turn JAXDDP_NATIVE_ALLREDUCE on and give jaxddp a C++ compiler "
+                "(`CXX`; `jaxddp doctor` says why they are not in use), or build mpi4jax with "
+                "CUDA (`CUDA_ROOT` set to the CUDA toolkit, see the docs' GPUs page)."
+            )
+            raise RuntimeError(msg)
         compat.mpi4jax_stages_through_host(not _native.gpu_buffers_to_mpi())
     return record.target
 
