@@ -81,7 +81,11 @@ setup() {
   mine=$("$V/bin/python" -c "import site; print(site.getsitepackages()[0])")
   echo "$site" >"$mine/image.pth"
   "$V/bin/pip" install --quiet --no-index --no-deps "$WHEELS"/*.whl
-  # docs/gpus.md's recipe: the venv's MPI first in the compile and the link
+  # docs/gpus.md's recipe: the venv's MPI first in the compile and the link (and the CUDA
+  # toolkit where an nvcc wrapper on PATH would hide it)
+  if [[ -z ${CUDA_ROOT:-} && -f /usr/local/cuda/include/cuda_runtime.h ]]; then
+    export CUDA_ROOT=/usr/local/cuda
+  fi
   LDFLAGS="-L$V/lib -Wl,-rpath,$V/lib" CPPFLAGS="-I$V/include" MPI4JAX_BUILD_MPICC="$V/bin/mpicc" \
     "$V/bin/pip" install --quiet --no-build-isolation --no-index --no-deps --no-cache-dir \
     "$WHEELS"/mpi4jax-*.tar.gz
