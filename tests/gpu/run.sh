@@ -14,7 +14,8 @@
 # goes to $OUT (default ./gpu-report): report.md (a table of every check and the figures),
 # steps.log (every check's output), and the benchmark's JSON files. It stops when BUDGET
 # seconds (default 460) have passed, saying which checks it did not reach. Exit 0 when every
-# check it ran passed.
+# check it ran passed. Rehearsed on a CPU machine with IMAGE_PYTHON (a Python with JAX),
+# SUITE_PLATFORMS=cpu and BENCH_ARGS="--width 512 --layers 4 --batch 64".
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -103,7 +104,7 @@ step setup 240 bash -c setup || {
 }
 export PATH=$V/bin:$PATH
 
-FIGURES="grep -E 'collectives:|GPU [0-9]|verdict' | head -4" \
+FIGURES="grep -E '^  collectives: |^  rank [0-9]: GPU|^verdict' | head -4" \
   step "doctor, 2 ranks" 60 "$MPIEXEC" -n 2 "$PY" -m jaxddp doctor
 
 DIGITS="grep -E 'accuracy|identical' | sed -e 's/ (.*test images)//'"
@@ -114,15 +115,15 @@ FIGURES="grep -o '\"max_abs_diff_to_one_process\": [^,]*' | head -1" \
   step "exactness, 2 ranks, default precision (informational)" 120 "$MPIEXEC" -n 2 "$PY" tests/gpu/exact.py --precision default
 BENCH="grep -oE '(with_sync_s|without_sync_s|sync_s|limit_s|ratio_to_limit|step_ratio) [0-9.]+( ms)?' | tr '\n' ' '"
 FIGURES=$BENCH step "benchmark, 2 ranks, jaxddp's handlers" 150 \
-  "$MPIEXEC" -n 2 "$PY" benchmarks/bench_gpu.py --out "$OUT/bench-np2.json"
+  "$MPIEXEC" -n 2 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench-np2.json"
 FIGURES=$DIGITS step "digits, 4 ranks x 16" 150 "$MPIEXEC" -n 4 "$PY" -m jaxddp.examples.digits --batch-size 16
 FIGURES=$DIGITS step "digits, 1 process x 64" 90 "$PY" -m jaxddp.examples.digits --batch-size 64
 FIGURES="tail -3 | grep -E 'passed|failed'" \
   step "tests/mpi, 2 ranks, on the GPU" 300 env JAX_PLATFORMS="${SUITE_PLATFORMS:-cuda}" JAXDDP_TEST_NP=2 \
   "$PY" -m pytest tests/mpi -n 0 -q -p no:cacheprovider -k "not staged and not large_leaves"
 FIGURES=$BENCH step "benchmark, 2 ranks, mpi4jax's handlers" 120 env JAXDDP_NATIVE_ALLREDUCE=0 \
-  "$MPIEXEC" -n 2 "$PY" benchmarks/bench_gpu.py --out "$OUT/bench-np2-mpi4jax.json"
-FIGURES=$BENCH step "benchmark, world of one" 90 "$PY" benchmarks/bench_gpu.py --out "$OUT/bench-np1.json"
+  "$MPIEXEC" -n 2 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench-np2-mpi4jax.json"
+FIGURES=$BENCH step "benchmark, world of one" 90 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench-np1.json"
 CKPT=$(mktemp -d)
 FIGURES=$DIGITS step "digits with checkpoints, 2 ranks, 3 epochs" 90 \
   "$MPIEXEC" -n 2 "$PY" -m jaxddp.examples.digits --epochs 3 --checkpoint-dir "$CKPT"
