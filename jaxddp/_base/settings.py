@@ -21,6 +21,8 @@ __all__ = [
     "AGREED",
     "CHECK",
     "CHECK_TIMEOUT",
+    "CUDA_AWARE_MPI",
+    "GPUS",
     "NATIVE_ALLREDUCE",
     "SETTINGS",
     "SHARED_ALLREDUCE",
@@ -34,6 +36,8 @@ __all__ = [
     "abort_on_error",
     "check_timeout",
     "check_trees",
+    "cuda_aware_mpi",
+    "gpus",
     "native_allreduce",
     "raw_value",
     "read_agreed",
@@ -158,6 +162,27 @@ SHARED_ALLREDUCE = Setting(
     "earlier; see [Sharp bits](sharp-bits.md) for what is compared without it). Read once, when jaxddp's world starts; every rank must have the same value, "
     "or every rank raises `SettingError` naming each rank's.",
 )
+CUDA_AWARE_MPI = Setting(
+    "JAXDDP_CUDA_AWARE_MPI",
+    "a boolean",
+    "on",
+    "On a GPU, jaxddp's collectives copy each buffer to pinned host memory, reduce it there "
+    "and copy the result back (host staging), unless the MPI library says it takes GPU "
+    "memory (`MPIX_Query_cuda_support`, on every rank): then MPI gets the GPU buffers "
+    "themselves. Off: always host staging. See [GPUs](gpus.md).",
+)
+GPUS = Setting(
+    "JAXDDP_GPUS",
+    "`auto` or `off`",
+    "auto",
+    "`auto`: where JAX has a CUDA plugin, `import jaxddp` gives each rank one GPU before JAX "
+    "starts (`jax_cuda_visible_devices`): the ranks of a node take its GPUs in turn, by "
+    "node-local rank; where a rank sees one GPU only (Slurm's `--gpus-per-task=1`), it keeps "
+    "it. Where several ranks share a GPU and neither `XLA_PYTHON_CLIENT_PREALLOCATE` nor "
+    "`XLA_PYTHON_CLIENT_MEM_FRACTION` is set, their JAX does not preallocate GPU memory "
+    "(`XLA_PYTHON_CLIENT_PREALLOCATE=false`), so that they fit. `off`: jaxddp leaves the "
+    "choice of devices and memory to JAX. `jaxddp doctor` shows what each rank got.",
+)
 
 SETTINGS = (
     SKIP_LAUNCHER_CHECK,
@@ -169,6 +194,8 @@ SETTINGS = (
     STARTUP_TIMEOUT,
     NATIVE_ALLREDUCE,
     SHARED_ALLREDUCE,
+    CUDA_AWARE_MPI,
+    GPUS,
 )
 
 
@@ -237,6 +264,26 @@ def native_allreduce(env: Mapping[str, str] | None = None) -> bool:
 def shared_allreduce(env: Mapping[str, str] | None = None) -> bool:
     """``JAXDDP_SHARED_ALLREDUCE``: whether ranks on one node may reduce in shared memory."""
     return _boolean(SHARED_ALLREDUCE, _raw(SHARED_ALLREDUCE, env), default=True)
+
+
+def cuda_aware_mpi(env: Mapping[str, str] | None = None) -> bool:
+    """``JAXDDP_CUDA_AWARE_MPI``: whether GPU buffers may go to a CUDA-aware MPI directly."""
+    return _boolean(CUDA_AWARE_MPI, _raw(CUDA_AWARE_MPI, env), default=True)
+
+
+def gpus(env: Mapping[str, str] | None = None) -> bool:
+    """``JAXDDP_GPUS``: whether jaxddp gives each rank its GPU (``auto``) or not (``off``).
+
+    Example:
+      >>> gpus({}), gpus({"JAXDDP_GPUS": "off"})
+      (True, False)
+    """
+    value = _raw(GPUS, env).lower()
+    if value in ("", "auto"):
+        return True
+    if value == "off":
+        return False
+    raise _bad(GPUS, value)
 
 
 def abort_on_error(env: Mapping[str, str] | None = None) -> bool:

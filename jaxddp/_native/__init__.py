@@ -1,4 +1,6 @@
-"""jaxddp's own XLA FFI handler for the jitted allreduce (``allreduce.cc``), built on first use.
+"""jaxddp's own XLA FFI handlers: the jitted allreduce on CPU (``allreduce.cc``), and every
+collective in programs compiled for a GPU (``staged.cc``, :mod:`.staged`), built on first use
+(:mod:`.build`).
 
 Why: MPICH's blocking wait, under ``MPI_THREAD_MULTIPLE`` (what jaxddp starts MPI with),
 calls ``sched_yield`` between polls. Inside a jitted step the allreduce runs on XLA's compute
@@ -27,32 +29,24 @@ inspector's to report. Whether a call goes this way depends only on its attribut
 (communicator, op, datatype), so every rank decides the same; other ops and datatypes go
 through MPI as above.
 
-How: compiled with the C++ compiler (``$CXX``, else ``c++``) against the FFI headers of the
-jaxlib in use (``jax.ffi.include_dir()``), into ``$XDG_CACHE_HOME/jaxddp/native`` (else
-``~/.cache/...``), once per source, jaxlib and compiler; a lock file makes the ranks of a
-node build it once. It includes no MPI header: the two MPI functions it calls come from the
-library mpi4py loaded, and handles travel as 64-bit integers (MPICH's ints, Open MPI's
-pointers), so one build serves either MPI.
+How: :mod:`.build` compiles it once per source, jaxlib and compiler. It includes no MPI
+header: the MPI functions it calls come from the library mpi4py loaded, and handles travel as
+64-bit integers (MPICH's ints, Open MPI's pointers), so one build serves either MPI.
 
 A nonblocking collective never matches a blocking one, so every rank must use the same
 handler: :func:`agree` (collective, when jaxddp's world starts) picks jaxddp's only where
 every rank could load it (``JAXDDP_NATIVE_ALLREDUCE`` is the same on every rank:
-``jaxddp._runtime.agreement`` refuses a job where it differs), else mpi4jax's everywhere; :func:`status` says which and why (``jaxddp doctor`` prints it). It is registered
-for CPU only, and used where a program is lowered for CPU alone (``_lowering.emit``); choosing
-it touches no JAX backend, so ``jaxddp.init()`` still comes before any JAX configuration.
+``jaxddp._runtime.agreement`` refuses a job where it differs), else mpi4jax's everywhere; :func:`status` says which and why (``jaxddp doctor`` prints it). The CPU
+handler is used where a program is lowered for CPU alone, the staged ones where it is lowered
+for CUDA (``_collectives/_jax/lowering.py``), each where every rank agreed on it; choosing
+touches no JAX backend, so ``jaxddp.init()`` still comes before any JAX configuration.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
-import fcntl
-import hashlib
-import os
-import shlex
-import shutil
 import subprocess
-from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -60,59 +54,38 @@ import jax
 from .._base import mpi as _mpi
 from .._base import settings as _settings
 from .._types import Communicator
+from . import staged as _staged
+from .build import build, cache_dir
 
-__all__ = ["TARGET", "agree", "allreduce_target", "share", "shared_calls", "shares", "status"]
+__all__ = [
+    "TARGET",
+    "agree",
+    "allreduce_target",
+    "cache_dir",
+    "cpu_staged",
+    "gpu_buffers_to_mpi",
+    "gpu_status",
+    "gpu_target",
+    "reduces_in_shared_memory",
+    "share",
+    "shared_calls",
+    "shares",
+    "status",
+]
 
 TARGET = "jaxddp_allreduce"
-_SOURCE = Path(__file__).with_name("allreduce.cc")
-_OURS = (
-    "jaxddp's own on CPU (MPI_Iallreduce, then MPI_Test: polls, then naps); mpi4jax's on "
-    "other platforms"
-)
+_OURS = "jaxddp's own on CPU (MPI_Iallreduce, then MPI_Test: polls, then naps)"
+# The MPI functions the handlers call (the CPU's the first two; the staged ones all of them).
+_MPI_FUNCTIONS = (
+    "MPI_Iallreduce", "MPI_Test", "MPI_Ibcast", "MPI_Ireduce", "MPI_Iallgather",
+    "MPI_Ialltoall", "MPI_Comm_rank",
+)  # fmt: skip
 
 # What every rank agreed on (agree): the FFI target, or None for mpi4jax's; and why.
 _agreed: tuple[str | None, str] | None = None
-_library: ctypes.CDLL | None = None  # the loaded handler
-
-
-def cache_dir() -> Path:
-    """Where the built handler is kept."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "jaxddp" / "native"
-
-
-def _compiler() -> list[str]:
-    command = shlex.split(os.environ.get("CXX", "")) or ["c++"]
-    if shutil.which(command[0]) is None:
-        msg = f"no C++ compiler: {command[0]!r} is not on PATH (set CXX to one)"
-        raise RuntimeError(msg)
-    return command
-
-
-def _build() -> Path:
-    """The handler's shared library for this jaxlib and compiler: from the cache, or built."""
-    include = jax.ffi.include_dir()
-    flags = [*_compiler(), "-std=c++17", "-O3", "-shared", "-fPIC", "-isystem", include]
-    identity = [_SOURCE.read_text(), metadata.version("jaxlib"), *flags]
-    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:16]
-    folder = cache_dir()
-    library = folder / f"allreduce-{key}.so"
-    if library.exists():
-        return library
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / f"allreduce-{key}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one process builds; the others wait, then load it
-        if library.exists():
-            return library
-        scratch = folder / f"allreduce-{key}.{os.getpid()}.so"
-        command = [*flags, str(_SOURCE), "-o", str(scratch)]
-        out = subprocess.run(command, capture_output=True, text=True, check=False, timeout=600)
-        if out.returncode != 0:
-            scratch.unlink(missing_ok=True)
-            msg = f"`{shlex.join(command)}` failed:\n{out.stderr[-2000:]}"
-            raise RuntimeError(msg)
-        scratch.replace(library)  # whole or absent, for a process that looks meanwhile
-    return library
+# And on a GPU: whether the staged handlers are in use, whether MPI takes GPU buffers, why.
+_gpu: tuple[bool, bool, str] | None = None
+_library: ctypes.CDLL | None = None  # the loaded handlers
 
 
 def _mpi_function(mpi4py_extension: ctypes.CDLL, name: str) -> int:
@@ -130,12 +103,15 @@ def _load(MPI: Any) -> str | None:
         return f"{_settings.NATIVE_ALLREDUCE.name} is off"
     global _library
     try:
-        library = ctypes.CDLL(str(_build()))
-        library.jaxddp_native_configure.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        library = ctypes.CDLL(str(build()))
+        library.jaxddp_native_configure.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+        library.jaxddp_native_configure.restype = ctypes.c_int64
         mpi = ctypes.CDLL(MPI.__file__)
-        library.jaxddp_native_configure(
-            _mpi_function(mpi, "MPI_Iallreduce"), _mpi_function(mpi, "MPI_Test")
-        )
+        for name in _MPI_FUNCTIONS[:2]:
+            library.jaxddp_native_configure(name.encode(), _mpi_function(mpi, name))
+        for name in _MPI_FUNCTIONS[2:]:  # the staged handlers' (they refuse to run without)
+            with contextlib.suppress(RuntimeError):
+                library.jaxddp_native_configure(name.encode(), _mpi_function(mpi, name))
         capsule = jax.ffi.pycapsule(library.jaxddp_allreduce)
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
         library.jaxddp_native_share.argtypes = [
@@ -161,24 +137,50 @@ def _load(MPI: Any) -> str | None:
 
 
 def agree(MPI: Any, comm: Communicator) -> None:
-    """Collective over ``comm`` (every rank of the world): picks the handler every rank
-    uses, jaxddp's only where every rank loaded it."""
-    global _agreed
+    """Collective over ``comm`` (every rank of the world): picks the handlers every rank
+    uses, jaxddp's only where every rank loaded them: on CPU, and in programs for a GPU."""
+    global _agreed, _gpu
     if _agreed is not None:
         return
     problem = _load(MPI)
-    ready = comm.allreduce(problem is None, op=MPI.LAND)
+    gpu_problem, aware = "jaxddp's handlers are not in use here", False
+    if problem is None and _library is not None:
+        gpu_problem, aware = _staged.load(_library, MPI)
+    everyone = comm.allgather((problem is None, gpu_problem is None, aware))
+    ready, gpu_ready, all_aware = (all(column) for column in zip(*everyone, strict=True))
     if ready:
         _agreed = (TARGET, _OURS)
     elif problem is not None:
         _agreed = (None, f"mpi4jax's: {problem}")
     else:
         _agreed = (None, "mpi4jax's: another rank could not use jaxddp's (see its doctor)")
+    if gpu_ready:
+        how = "GPU buffers to MPI directly (CUDA-aware MPI)" if all_aware else "host staging"
+        _gpu = (True, all_aware, f"jaxddp's own, {how}")
+    else:
+        why = gpu_problem or "another rank could not use them (see its doctor)"
+        _gpu = (False, False, f"mpi4jax's, with host staging (jaxddp's are not in use: {why})")
 
 
 def allreduce_target() -> str | None:
     """The FFI target of jaxddp's allreduce where every rank agreed on it, else None."""
     return _agreed[0] if _agreed is not None else None
+
+
+def gpu_target(kind: str) -> str | None:
+    """The FFI target of a collective ``kind`` in a program for a GPU where every rank
+    agreed on jaxddp's staged handlers, else None (mpi4jax's)."""
+    return _staged.target(kind) if _gpu is not None and _gpu[0] else None
+
+
+def cpu_staged() -> bool:
+    """Whether programs for the CPU use the staged handlers (the test suite's switch)."""
+    return _staged.forced_on_cpu() and gpu_target("allreduce") is not None
+
+
+def gpu_buffers_to_mpi() -> bool:
+    """Whether GPU buffers go to MPI directly (every rank's MPI is CUDA-aware)."""
+    return _gpu is not None and _gpu[1]
 
 
 def status() -> str:
@@ -191,6 +193,18 @@ def status() -> str:
             "minima in memory they share, without MPI"
         )
     return _agreed[1]
+
+
+def reduces_in_shared_memory(target: str, comm_handle: int) -> bool:
+    """Whether a call to ``target`` over the communicator with this C handle reduces sums,
+    maxima and minima in the node's shared memory (which keeps a NaN as the result itself)."""
+    staged_on_host = target == _staged.target("allreduce") and not gpu_buffers_to_mpi()
+    return (target == TARGET or staged_on_host) and shares(comm_handle)
+
+
+def gpu_status() -> str:
+    """Which handlers collectives in programs for a GPU use, and why."""
+    return "not chosen yet (jaxddp's world not started)" if _gpu is None else _gpu[2]
 
 
 # The shared-memory allreduce (share): the largest world it serves, a slot's size, and the

@@ -8,9 +8,11 @@
 // gives that core back instead of yielding it for a whole time slice per protocol step
 // (what MPICH's blocking wait does under MPI_THREAD_MULTIPLE: sched_yield between polls).
 //
-// No MPI header: the two MPI entry points come from the library mpi4py loaded (set once by
+// No MPI header: the MPI entry points come from the library mpi4py loaded (set once by
 // jaxddp_native_configure), and MPI handles travel as integers wide enough for both ABIs
-// (MPICH's int handles, Open MPI's pointers). jaxddp/_native/__init__.py builds and loads it.
+// (MPICH's int handles, Open MPI's pointers). staged.cc holds the handlers of device
+// buffers, which reduce through host_allreduce below; native.h what the two share.
+// jaxddp/_native/__init__.py builds and loads the library.
 
 #include <linux/futex.h>
 #include <sys/prctl.h>
@@ -27,17 +29,24 @@
 #include <string_view>
 #include <type_traits>
 
-#include "xla/ffi/api/ffi.h"
+#include "native.h"
 
-namespace ffi = xla::ffi;
+namespace jaxddp {
+
+Mpi mpi;
+
+ffi::Error mpi_error(const char* what, int code) {
+  return ffi::Error(ffi::ErrorCode::kInternal,
+                    std::string(what) + " returned MPI error code " + std::to_string(code));
+}
+
+}  // namespace jaxddp
 
 namespace {
 
-using IallreduceFn = int (*)(const void*, void*, int, intptr_t, intptr_t, intptr_t, void*);
-using TestFn = int (*)(void*, int*, void*);
-
-IallreduceFn iallreduce = nullptr;
-TestFn test = nullptr;
+using jaxddp::mpi;
+using jaxddp::mpi_error;
+namespace ffi = xla::ffi;
 
 // The wait: poll for kSpinNs (a collective whose ranks are all there ends within it), then
 // nap, from kNapMinNs doubling up to kNapMaxNs, polling for kPollNs after each nap: a wait
@@ -68,14 +77,11 @@ int64_t now_ns() {
   return int64_t{t.tv_sec} * 1000000000 + t.tv_nsec;
 }
 
-ffi::Error mpi_error(const char* what, int code) {
-  return ffi::Error(ffi::ErrorCode::kInternal,
-                    std::string(what) + " returned MPI error code " + std::to_string(code));
-}
+}  // namespace
 
 // Waits for one request as above; while it naps, this thread's timer slack is 1 ns (a nap
 // as short as asked, not the default 50 us later), restored before it returns.
-ffi::Error wait(intptr_t* request) {
+ffi::Error jaxddp::wait(intptr_t* request) {
   alignas(16) char status[256];  // larger than any MPI_Status
   int done = 0;
   int64_t until = now_ns() + kSpinNs;  // poll until then
@@ -83,7 +89,7 @@ ffi::Error wait(intptr_t* request) {
   long slack = -1;
   ffi::Error result = ffi::Error::Success();
   while (true) {
-    int rc = test(request, &done, status);
+    int rc = mpi.test(request, &done, status);
     if (rc != 0) {
       result = mpi_error("MPI_Test", rc);
       break;
@@ -102,6 +108,10 @@ ffi::Error wait(intptr_t* request) {
   if (slack > 0) prctl(PR_SET_TIMERSLACK, static_cast<unsigned long>(slack), 0, 0, 0);
   return result;
 }
+
+namespace {
+
+using jaxddp::wait;
 
 // The shared-memory allreduce. The memory: a 64-byte line holding the bell (a futex word
 // bumped when the last rank of a call arrives) and the count of ranks asleep on it, then a
@@ -324,35 +334,40 @@ ffi::Error shared_allreduce(const char* in, char* out, What what, std::string_vi
 ffi::Error allreduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::Token>, int64_t comm, int64_t op, int64_t dtype,
                      int64_t nitems, std::string_view call) {
-  if (iallreduce == nullptr || test == nullptr) {
+  if (mpi.iallreduce == nullptr || mpi.test == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "jaxddp's native allreduce was called before jaxddp configured it");
   }
+  const int64_t width = x.element_count() ? x.size_bytes() / x.element_count() : 1;
+  return jaxddp::host_allreduce(static_cast<const char*>(x.untyped_data()),
+                                static_cast<char*>(y->untyped_data()), comm, op, dtype, nitems,
+                                width, call);
+}
+
+}  // namespace
+
+ffi::Error jaxddp::host_allreduce(const char* in, char* out, int64_t comm, int64_t op,
+                                  int64_t dtype, int64_t nitems, int64_t width,
+                                  std::string_view call) {
   What what;
   if (eligible(static_cast<intptr_t>(comm), static_cast<intptr_t>(op),
                static_cast<intptr_t>(dtype), nitems, &what)) {
-    return shared_allreduce(static_cast<const char*>(x.untyped_data()),
-                            static_cast<char*>(y->untyped_data()), what, call);
+    return shared_allreduce(in, out, what, call);
   }
   if (nitems == 0) return ffi::Error::Success();  // through MPI: nothing compared, as MPI's
-  const size_t width = x.size_bytes() / x.element_count();
-  const char* in = static_cast<const char*>(x.untyped_data());
-  char* out = static_cast<char*>(y->untyped_data());
   constexpr int64_t kChunk = int64_t{1} << 30;  // MPI counts are ints
   for (int64_t first = 0; first < nitems; first += kChunk) {
     const int64_t count = nitems - first < kChunk ? nitems - first : kChunk;
     intptr_t request = 0;
-    int rc = iallreduce(in + first * width, out + first * width, static_cast<int>(count),
-                        static_cast<intptr_t>(dtype), static_cast<intptr_t>(op),
-                        static_cast<intptr_t>(comm), &request);
+    int rc = mpi.iallreduce(in + first * width, out + first * width, static_cast<int>(count),
+                            static_cast<intptr_t>(dtype), static_cast<intptr_t>(op),
+                            static_cast<intptr_t>(comm), &request);
     if (rc != 0) return mpi_error("MPI_Iallreduce", rc);
     ffi::Error waited = wait(&request);
     if (waited.failure()) return waited;
   }
   return ffi::Error::Success();
 }
-
-}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxddp_allreduce, allreduce,
                               ffi::Ffi::Bind()
@@ -366,10 +381,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxddp_allreduce, allreduce,
                                   .Attr<int64_t>("nitems")
                                   .Attr<std::string_view>("call"));
 
-extern "C" __attribute__((visibility("default"))) void jaxddp_native_configure(
-    void* iallreduce_fn, void* test_fn) {
-  iallreduce = reinterpret_cast<IallreduceFn>(iallreduce_fn);
-  test = reinterpret_cast<TestFn>(test_fn);
+// The MPI functions the handlers call, from the library mpi4py loaded, by name (MPI_Iallreduce,
+// MPI_Test, MPI_Ibcast, MPI_Ireduce, MPI_Iallgather, MPI_Ialltoall, MPI_Comm_rank); 0 for
+// a name it does not know.
+extern "C" __attribute__((visibility("default"))) int64_t jaxddp_native_configure(
+    const char* name, void* function) {
+  const std::string_view n(name);
+  auto set = [&](auto& slot) {
+    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(function);
+    return int64_t{1};
+  };
+  if (n == "MPI_Iallreduce") return set(mpi.iallreduce);
+  if (n == "MPI_Test") return set(mpi.test);
+  if (n == "MPI_Ibcast") return set(mpi.ibcast);
+  if (n == "MPI_Ireduce") return set(mpi.ireduce);
+  if (n == "MPI_Iallgather") return set(mpi.iallgather);
+  if (n == "MPI_Ialltoall") return set(mpi.ialltoall);
+  if (n == "MPI_Comm_rank") return set(mpi.comm_rank);
+  return 0;
 }
 
 // The shared-memory allreduce's memory (laid out as above: the header, all zero at first,

@@ -22,6 +22,7 @@ from .._base import mpi as _mpi
 from .._base import settings as _settings
 from .._base import streams as _streams
 from .._types import Communicator
+from . import gpus as _gpus
 from . import launcher as _launcher
 from . import watchdog as _watchdog
 from .agreement import agree_settings
@@ -104,6 +105,7 @@ def start() -> None:
     if size > 1:
         _streams.line_buffered()  # a rank's printed lines must outlive an abort
     _watchdog.start(MPI)
+    _gpus.assign(MPI)  # before JAX starts: each rank's GPU
 
 
 class World:
@@ -152,6 +154,7 @@ def init() -> World:
                 with _watchdog.startup_guard():
                     _mpi.initialize()
             _watchdog.start(MPI)
+            _gpus.assign(MPI)
             world = World(MPI)
             _launcher.check_world_size(world.size)
             if world.size > 1:

@@ -39,6 +39,43 @@ QUICK_ENV = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
 QUICK_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
+# The stand-in for the CUDA driver (tests/native/driver.c) and the value of a launch
+# variable that stands for its compiled library (tests/mpi modules' MPI_VARIANTS name it so:
+# their plan is read without running anything).
+STAND_IN_SOURCE = Path(__file__).parents[1] / "native" / "driver.c"
+STAND_IN_DRIVER = "<stand-in CUDA driver>"
+
+
+def stand_in_driver() -> Path:
+    """tests/native/driver.c compiled (once per source, by the first process to need it) into
+    the system's temporary folder: what ``JAXDDP_TEST_CUDA_DRIVER`` names in place of
+    libcuda.so.1 (jaxddp/_base/cuda.py)."""
+    import fcntl
+    import hashlib
+
+    source = STAND_IN_SOURCE.read_bytes()
+    key = hashlib.sha256(source).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / "jaxddp-test-stand-in"
+    folder.mkdir(exist_ok=True)
+    library = folder / f"libcuda-{key}.so"
+    with open(folder / f"libcuda-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not library.exists():
+            scratch = folder / f"libcuda-{key}.{os.getpid()}.so"
+            command = ["cc", "-O2", "-shared", "-fPIC", str(STAND_IN_SOURCE), "-o", str(scratch)]
+            subprocess.run(command, check=True, capture_output=True, timeout=120)
+            scratch.replace(library)
+    return library
+
+
+def with_stand_in(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with :data:`STAND_IN_DRIVER` values replaced by the compiled stand-in's path."""
+    if STAND_IN_DRIVER not in env.values():
+        return env
+    path = str(stand_in_driver())
+    return {k: path if v == STAND_IN_DRIVER else v for k, v in env.items()}
+
+
 def fresh_python(
     args: list[str], env: dict[str, str] | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[str]:

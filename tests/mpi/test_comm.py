@@ -10,6 +10,17 @@ import pytest
 import jaxddp
 
 MPI_SIZES = (2, 4)
+# Once more at 2 ranks as on a GPU: the ordered path, and every jitted collective through
+# the handlers of GPU programs, their host side run on the CPU against the stand-in CUDA
+# driver (tests/native/driver.c).
+MPI_VARIANTS = {
+    "staged": {
+        "JAXDDP_TEST_STAGED": "1",
+        "JAXDDP_TEST_CUDA_DRIVER": "<stand-in CUDA driver>",
+        "JAXDDP_TEST_COLLECTIVE_PATH": "ordered",
+    }
+}
+MPI_VARIANT_SIZES = {"staged": (2,)}
 
 rank = jaxddp.rank()
 size = jaxddp.world_size()
@@ -25,15 +36,26 @@ def test_local_rank_matches_the_launcher():
     assert jaxddp.local_rank() == int(os.environ["MPI_LOCALRANKID"])
 
 
+def _ours():
+    """The FFI target of jaxddp's own allreduce in this launch's programs (on a GPU, or on
+    the CPU where this launch runs the GPU's handlers, the staged one)."""
+    from jaxddp import _native
+
+    on_gpu = jax.default_backend() == "gpu" or _native.cpu_staged()
+    return _native.gpu_target("allreduce") if on_gpu else _native.TARGET
+
+
 def test_jitted_allreduces_run_jaxddps_own_handler_on_every_rank():
     # The suite runs with JAXDDP_NATIVE_ALLREDUCE on (its default) on a host with a C++
     # compiler: every jitted allreduce of tests/mpi goes through jaxddp/_native.
     from jaxddp import _native
 
     assert _native.allreduce_target() == _native.TARGET, _native.status()
+    staged = os.environ.get("JAXDDP_TEST_STAGED") == "1"
+    assert _native.cpu_staged() == staged, _native.gpu_status()
     x = jnp.arange(105674, dtype=jnp.float32) * (rank + 1)
     f = jax.jit(lambda x: jaxddp.allreduce(x, op="sum"))
-    assert f'custom_call_target="{_native.TARGET}"' in f.lower(x).compile().as_text()
+    assert f'custom_call_target="{_ours()}"' in f.lower(x).compile().as_text()
     want = np.arange(105674, dtype=np.float32) * sum(r + 1 for r in range(size))
     np.testing.assert_array_equal(f(x), want)
     _native._share_on(False)  # and through MPI, where ranks span nodes
@@ -292,6 +314,8 @@ def test_a_nan_on_any_rank_is_the_max_and_the_min_on_every_path(op, path, monkey
     x = _nan_input(n, np.float64 if path == "eager-float64" else np.float32)
     if path == "jit-mpi4jax":
         monkeypatch.setattr(_native, "allreduce_target", lambda: None)
+        monkeypatch.setattr(_native, "cpu_staged", lambda: False)
+        monkeypatch.setattr(_native, "gpu_target", lambda kind: None)
     if path == "jit-mpi":
         _native._share_on(False)
     try:
@@ -299,7 +323,7 @@ def test_a_nan_on_any_rank_is_the_max_and_the_min_on_every_path(op, path, monkey
             f = jax.jit(lambda x: jaxddp.allreduce(x, op=op))
             hlo = f.lower(jnp.asarray(x)).compile().as_text()
             got = np.asarray(f(jnp.asarray(x)))
-            assert (_native.TARGET in hlo) == (path != "jit-mpi4jax")
+            assert (f'"{_ours()}"' in hlo) == (path != "jit-mpi4jax")
         elif path == "eager-unchecked":
             got = reduce_all(x, op, check=False)
         elif path == "reduce-eager":

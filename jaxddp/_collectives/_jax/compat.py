@@ -56,6 +56,8 @@ __all__ = [
     "keep_in_dce",
     "lowering_into_main",
     "missing_internals",
+    "mpi4jax_has_cuda",
+    "mpi4jax_stages_through_host",
     "ordered_effect",
     "outermost_jaxpr_trace",
     "replay_context",
@@ -239,6 +241,34 @@ def ordered_effect() -> Any:
     from mpi4jax._src.utils import ordered_effect
 
     return ordered_effect
+
+
+@functools.cache
+def mpi4jax_stages_through_host(on: bool) -> None:
+    """Tells mpi4jax's CUDA handlers whether to copy GPU buffers to the host for MPI (``on``)
+    or hand MPI the GPU buffers themselves (a CUDA-aware MPI). mpi4jax decides it in its own
+    lowering rule only (``setup_cuda_mpi``, from ``MPI4JAX_USE_CUDA_MPI``); jaxddp emits
+    mpi4jax's targets with its own rules, so without this the handlers keep their compiled
+    default, GPU buffers straight to MPI, which a host-only MPI reads as host memory (the
+    crash of every multi-rank GPU step before jaxddp did this). A no-op where mpi4jax has no
+    CUDA extension (then its CUDA targets are not registered, and compiling says so)."""
+    silence_mpi4jax_version_warning()
+    from mpi4jax._src import decorators
+    from mpi4jax._src.xla_bridge import HAS_CUDA_EXT
+
+    if HAS_CUDA_EXT:
+        from mpi4jax._src.xla_bridge import mpi_xla_bridge_cuda
+
+        mpi_xla_bridge_cuda.set_copy_to_host(on)
+        decorators._cuda_mpi_setup_done = True  # mpi4jax's own rule must not undo it
+
+
+def mpi4jax_has_cuda() -> bool:
+    """Whether mpi4jax's CUDA extension imports (its CUDA targets are registered)."""
+    silence_mpi4jax_version_warning()
+    from mpi4jax._src.xla_bridge import HAS_CUDA_EXT
+
+    return bool(HAS_CUDA_EXT)
 
 
 def silence_mpi4jax_version_warning() -> None:

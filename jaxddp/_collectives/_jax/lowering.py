@@ -50,12 +50,41 @@ def _ordered_as_keys(kind: str, params: dict[str, Any], aval: Any, target: str) 
     keeps a NaN itself: the conversions cost more there than the reduction)."""
     if kind not in ("allreduce", "reduce") or np.dtype(aval.dtype) not in _KEY_TYPES:
         return None
-    if target == _native.TARGET and _native.shares(params["comm"].handle):
+    if _native.reduces_in_shared_memory(target, params["comm"].handle):
         return None
     from mpi4py import MPI
 
     op = params["op"]
     return True if op == Handle(MPI.MAX) else False if op == Handle(MPI.MIN) else None
+
+
+def _target(kind: str, platforms: tuple[str, ...]) -> str:
+    """The FFI target of a collective ``kind`` in a program lowered for ``platforms``: on a
+    GPU, jaxddp's staged handlers where every rank agreed on them, else mpi4jax's (told to
+    stage through host memory unless MPI takes GPU buffers); on CPU, jaxddp's allreduce
+    where every rank agreed on it (the staged handlers where the test suite forces them),
+    mpi4jax's for the other kinds."""
+    record = RECORDS[kind]
+    if platforms == ("cpu",):
+        if _native.cpu_staged():
+            return _native.gpu_target(kind) or record.target
+        if record.native:
+            return _native.allreduce_target() or record.target
+        return record.target
+    if platforms == ("cuda",) and (staged := _native.gpu_target(kind)) is not None:
+        return staged
+    if "cuda" in platforms:  # mpi4jax's CUDA handler: told how to treat GPU buffers
+        if not compat.mpi4jax_has_cuda():
+            msg = (
+                f"jaxddp's {record.name} cannot run in a program for a GPU here: jaxddp's GPU "
+                f"handlers are not in use ({_native.gpu_status()}) and mpi4jax has no CUDA "
+                "extension. Turn JAXDDP_NATIVE_ALLREDUCE on and give jaxddp a C++ compiler "
+                "(`CXX`; `jaxddp doctor` says why they are not in use), or build mpi4jax with "
+                "CUDA (`CUDA_ROOT` set to the CUDA toolkit, see the docs' GPUs page)."
+            )
+            raise RuntimeError(msg)
+        compat.mpi4jax_stages_through_host(not _native.gpu_buffers_to_mpi())
+    return record.target
 
 
 def _convert(ctx: Any, fn: Any, x: Any, aval_in: Any, aval_out: Any) -> Any:
@@ -73,9 +102,7 @@ def emit(
     caller gave them), which it compares across the ranks in shared memory."""
 
     record = RECORDS[kind]
-    target = record.target
-    if record.native and tuple(ctx.module_context.platforms) == ("cpu",):
-        target = _native.allreduce_target() or target  # what every rank agreed on
+    target = _target(kind, tuple(ctx.module_context.platforms))
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
     calls = params.get("calls") or ("",) * len(xs)
     outs = []
@@ -89,7 +116,7 @@ def emit(
         token_aval = compat.abstract_token()
         sub = ctx.replace(avals_in=(wire_in, token_aval), avals_out=(wire_out, token_aval))
         attrs = record.call_attrs(params, wire_in)
-        if target == _native.TARGET:
+        if target in (_native.TARGET, _native.gpu_target("allreduce")):
             attrs["call"] = call
         out, token = rule(sub, wire, token, **attrs)
         if largest is not None:

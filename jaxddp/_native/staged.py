@@ -1,0 +1,96 @@
+"""jaxddp's collectives in programs compiled for a GPU (``staged.cc``): set up where JAX may
+use CUDA, registered for the CUDA platform under :func:`target`.
+
+MPI libraries read host memory; few are built to read GPU memory (CUDA-aware), and the
+``mpich`` wheel is not. So each call copies its buffer, on XLA's stream, into pinned host
+memory, reduces it there as a CPU call would (the node's shared memory, else MPI) and
+copies the result back, in chunks that overlap the copies with the reduction. Where the MPI
+library says it is CUDA-aware (``MPIX_Query_cuda_support``) and every rank's does,
+``JAXDDP_CUDA_AWARE_MPI`` (on by default) lets MPI take the GPU buffers themselves.
+
+The test suite runs the same handlers on the CPU (:data:`FORCE_VARIABLE`), against a
+stand-in for the CUDA driver (:data:`jaxddp._base.cuda.DRIVER_VARIABLE`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import Any
+
+import jax
+
+from .._base import cuda as _cuda
+from .._base import settings as _settings
+
+__all__ = ["DRIVER_FUNCTIONS", "FORCE_VARIABLE", "KINDS", "attributes", "load", "target"]
+
+KINDS = ("allreduce", "bcast", "reduce", "allgather", "alltoall")
+DRIVER_FUNCTIONS = (
+    "cuStreamGetCtx", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuMemcpyAsync",
+    "cuStreamSynchronize", "cuMemHostAlloc", "cuMemFreeHost", "cuGetErrorName",
+)  # fmt: skip
+# Test-suite switch: programs compiled for the CPU use the staged handlers too (their host
+# side, with the stand-in driver), so that the whole MPI suite can run them; not a user setting.
+FORCE_VARIABLE = "JAXDDP_TEST_STAGED"
+
+
+def target(kind: str) -> str:
+    """The FFI target of the staged handler of a collective kind."""
+    return f"jaxddp_staged_{kind}"
+
+
+def forced_on_cpu() -> bool:
+    """Whether the test suite asked for the staged handlers in programs compiled for CPU."""
+    return os.environ.get(FORCE_VARIABLE, "") not in ("", "0")
+
+
+def attributes(library: ctypes.CDLL, kind: str) -> list[str]:
+    """The attribute names the staged handler of ``kind`` takes, as its binding declares."""
+    function = library.jaxddp_native_staged_attributes
+    function.argtypes = [ctypes.c_char_p]
+    function.restype = ctypes.c_char_p
+    return (function(kind.encode()) or b"").decode().split(",")
+
+
+def _cuda_aware(MPI: Any) -> bool:
+    """Whether the MPI library mpi4py loaded says it takes GPU buffers."""
+    try:
+        query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+    except (AttributeError, OSError):
+        return False
+    query.restype = ctypes.c_int
+    query.argtypes = []
+    return bool(query())
+
+
+def load(library: ctypes.CDLL, MPI: Any) -> tuple[str | None, bool]:
+    """Configures and registers the staged handlers of ``library`` where JAX may use CUDA
+    (or the test suite forces them on the CPU): None, or why not; and whether this rank's
+    MPI takes GPU buffers (and ``JAXDDP_CUDA_AWARE_MPI`` allows it)."""
+    if _cuda.jax_may_use_cuda() is None and not forced_on_cpu():
+        return "JAX has no CUDA plugin here (or JAX_PLATFORMS leaves CUDA out)", False
+    try:
+        configure = library.jaxddp_native_staged_driver
+        configure.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+        configure.restype = ctypes.c_int64
+        for name in DRIVER_FUNCTIONS:
+            if not configure(name.encode(), _cuda.address(name)):
+                return f"its build does not take the driver's {name}", False
+    except _cuda.CudaError as error:
+        return str(error), False
+    aware = _settings.cuda_aware_mpi() and _cuda_aware(MPI)
+    ready = library.jaxddp_native_staged_ready
+    ready.argtypes = [ctypes.c_int64]
+    ready.restype = ctypes.c_int64
+    if not ready(int(aware)):
+        return "the MPI library lacks a nonblocking collective the handlers call", False
+    try:
+        for kind in KINDS:
+            for platform in ("CUDA", *(["cpu"] if forced_on_cpu() else [])):
+                host = "host_" if platform == "cpu" else ""
+                capsule = jax.ffi.pycapsule(getattr(library, f"jaxddp_staged_{host}{kind}"))
+                jax.ffi.register_ffi_target(target(kind), capsule, platform=platform)
+    except (AttributeError, RuntimeError, ValueError) as error:
+        return f"they could not be registered with JAX: {error}", False
+    return None, aware
