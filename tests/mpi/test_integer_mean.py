@@ -12,17 +12,6 @@ import pytest
 import jaxddp
 
 MPI_SIZES = (2, 4)
-# Once more at 2 ranks as on a GPU: the ordered path, and every jitted collective through
-# the handlers of GPU programs, their host side run on the CPU against the stand-in CUDA
-# driver (tests/native/driver.c).
-MPI_VARIANTS = {
-    "staged": {
-        "JAXDDP_TEST_STAGED": "1",
-        "JAXDDP_TEST_CUDA_DRIVER": "<stand-in CUDA driver>",
-        "JAXDDP_TEST_COLLECTIVE_PATH": "ordered",
-    }
-}
-MPI_VARIANT_SIZES = {"staged": (2,)}
 
 rank = jaxddp.rank()
 size = jaxddp.world_size()
