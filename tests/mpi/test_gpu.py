@@ -84,8 +84,14 @@ def test_on_mpi4jaxs_route_its_cuda_handlers_are_told_to_stage_through_host(monk
 
     monkeypatch.setattr(_native, "gpu_target", lambda kind: None)
     x = jnp.arange(4.0, dtype=jnp.float32)
-    fresh = jax.jit(_every_kind)  # not the lowering cached by the test before
-    lowered = fresh.trace(x).lower(lowering_platforms=("cuda",))
+    # JAX caches a function's lowering by its jaxpr (a fresh jax.jit of the same function
+    # finds it on jax 0.12), so the lowering made with jaxddp's handlers goes first, and the
+    # one made here goes after, for the tests that follow
+    jax.clear_caches()
+    try:
+        lowered = jax.jit(_every_kind).trace(x).lower(lowering_platforms=("cuda",))
+    finally:
+        jax.clear_caches()
     targets = [target for target, _, _ in _calls(lowered.as_text())]
     assert targets == [f"mpi_{k}_ffi" for k in staged.KINDS]
     if HAS_CUDA_EXT:  # this machine's mpi4jax build has it where nvcc was found
