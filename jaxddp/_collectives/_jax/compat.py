@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import warnings
 from collections.abc import Callable, Iterator
@@ -256,10 +257,9 @@ def mpi4jax_stages_through_host(on: bool) -> None:
     from mpi4jax._src import decorators
     from mpi4jax._src.xla_bridge import HAS_CUDA_EXT
 
-    if HAS_CUDA_EXT:
-        from mpi4jax._src.xla_bridge import mpi_xla_bridge_cuda
-
-        mpi_xla_bridge_cuda.set_copy_to_host(on)
+    if HAS_CUDA_EXT:  # the extension exists only in builds that found CUDA: no static import
+        bridge = importlib.import_module("mpi4jax._src.xla_bridge.mpi_xla_bridge_cuda")
+        bridge.set_copy_to_host(on)
         decorators._cuda_mpi_setup_done = True  # mpi4jax's own rule must not undo it
 
 
