@@ -33,6 +33,7 @@ from ._training.checkpoint.manager import DamagedCheckpointError as DamagedCheck
 from ._training.gradients import allreduce_gradients as allreduce_gradients
 from ._training.gradients import resolve_unused_parameters as resolve_unused_parameters
 from ._training.metrics import masked_mean as masked_mean
+from ._training.spmd import spmd as spmd
 from ._training.state import average_state as average_state
 from ._training.zero.optimizer import ShardedOptimizer as ShardedOptimizer
 from ._training.zero.optimizer import ShardedState as ShardedState
@@ -91,6 +92,7 @@ __all__ = [
     "reduce",
     "resolve_unused_parameters",
     "shard_optimizer",
+    "spmd",
     "synchronize",
     "world_size",
 ]

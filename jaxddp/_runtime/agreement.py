@@ -1,6 +1,7 @@
 """The settings every rank must share, agreed when jaxddp's world starts.
 
-``JAXDDP_CHECK``, ``JAXDDP_NATIVE_ALLREDUCE`` and ``JAXDDP_SHARED_ALLREDUCE``
+``JAXDDP_CHECK``, ``JAXDDP_NATIVE_ALLREDUCE``, ``JAXDDP_SHARED_ALLREDUCE`` and
+``JAXDDP_COLLECTIVES``
 (:data:`jaxddp._base.settings.AGREED`) change what a collective sends or checks: a rank
 that checks signatures while another does not, or reduces in shared memory while another
 goes through MPI, waits for a message that never comes, with nothing in the stall report
@@ -17,12 +18,15 @@ from .._base import settings as _settings
 
 __all__ = ["agree_settings"]
 
+_UNKNOWN = "not a value jaxddp understands"
+
 
 def _meaning(setting: _settings.Setting, value: str) -> str:
     try:
-        return "on" if _settings.read_agreed(setting, value) else "off"
+        meaning = _settings.read_agreed(setting, value)
     except _settings.SettingError:
-        return "not a value jaxddp understands"
+        return _UNKNOWN
+    return meaning if isinstance(meaning, str) else "on" if meaning else "off"
 
 
 def agree_settings(comm: Any) -> None:
@@ -34,7 +38,7 @@ def agree_settings(comm: Any) -> None:
     for i, setting in enumerate(_settings.AGREED):
         values = [row[i] for row in everyone]
         meanings = [_meaning(setting, v) for v in values]
-        if len(set(meanings)) == 1 and meanings[0] in ("on", "off"):
+        if len(set(meanings)) == 1 and meanings[0] != _UNKNOWN:
             continue
         per_rank = ", ".join(
             f"rank {r} has {f'{v!r}' if v else 'it unset'} ({m})"

@@ -22,6 +22,7 @@ from .._base import mpi as _mpi
 from .._base import settings as _settings
 from .._base import streams as _streams
 from .._types import Communicator
+from . import distributed as _distributed
 from . import gpus as _gpus
 from . import launcher as _launcher
 from . import watchdog as _watchdog
@@ -106,6 +107,8 @@ def start() -> None:
         _streams.line_buffered()  # a rank's printed lines must outlive an abort
     _watchdog.start(MPI)
     _gpus.assign(MPI)  # before JAX starts: each rank's GPU
+    if _settings.collectives() == "xla":
+        init()  # JAX's distributed runtime too, before the program's first JAX computation
 
 
 class World:
@@ -159,8 +162,12 @@ def init() -> World:
             _launcher.check_world_size(world.size)
             if world.size > 1:
                 _streams.line_buffered()
-            _world = world
             _install_abort_on_error(world)
+            if _settings.collectives() == "xla":  # agreed on every rank by World()
+                _distributed.start(
+                    world.py_comm, world.rank, world.size, one_node=world.local_size == world.size
+                )
+            _world = world
     return _world
 
 

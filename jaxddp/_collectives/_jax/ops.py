@@ -1,4 +1,7 @@
-"""The collectives as the rest of jaxddp calls them: lists of flat buffers in, lists out."""
+"""The collectives as the rest of jaxddp calls them: lists of flat buffers in, lists out.
+
+Traced inside ``jaxddp.spmd`` with ``JAXDDP_COLLECTIVES=xla`` (:func:`.xla.axis` is set),
+each is JAX's own collective over the ranks' mesh axis; everywhere else, an MPI call."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import Any
 import jax
 
 from ..._types import Communicator
+from . import xla
 from .primitives import allgather_p, allreduce_p, alltoall_p, bcast_p, reduce_p
 from .records import Handle
 
@@ -35,6 +39,8 @@ def allreduce_many(
     which jaxddp's own handler compares across ranks."""
     if not xs:
         return []
+    if (name := xla.axis_for(comm)) is not None:
+        return xla.allreduce(xs, op, name)
     _register_targets()
     if calls is None:
         return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm))
@@ -45,6 +51,8 @@ def bcast_many(xs: Sequence[Any], root: int, comm: Communicator) -> list[Any]:
     """Gives every rank ``root``'s values of each array of ``xs``."""
     if not xs:
         return []
+    if (name := xla.axis_for(comm)) is not None:
+        return xla.bcast(xs, root, name)
     _register_targets()
     is_root = comm.Get_rank() == root
     out = bcast_p.bind(*xs, root=root, comm=Handle(comm), is_root=is_root)
@@ -55,6 +63,8 @@ def reduce_many(xs: Sequence[Any], op: Any, root: int, comm: Communicator) -> li
     """Reduces each array of ``xs`` onto ``root``; the other ranks get their input back."""
     if not xs:
         return []
+    if (name := xla.axis_for(comm)) is not None:
+        return xla.reduce(xs, op, root, name)
     _register_targets()
     is_root = comm.Get_rank() == root
     out = reduce_p.bind(*xs, op=Handle(op), root=root, comm=Handle(comm), is_root=is_root)
@@ -66,6 +76,8 @@ def allgather_many(xs: Sequence[Any], comm: Communicator) -> list[Any]:
     order: ``(size, *x.shape)``."""
     if not xs:
         return []
+    if (name := xla.axis_for(comm)) is not None:
+        return xla.allgather(xs, name)
     _register_targets()
     return allgather_p.bind(*xs, comm=Handle(comm), size=comm.Get_size())
 
@@ -80,5 +92,7 @@ def alltoall_many(xs: Sequence[Any], comm: Communicator) -> list[Any]:
         if x.ndim == 0 or x.shape[0] != size:
             msg = f"Expected alltoall buffers of shape ({size}, ...), got {x.shape} instead."
             raise ValueError(msg)
+    if (name := xla.axis_for(comm)) is not None:
+        return xla.alltoall(xs, name)
     _register_targets()
     return alltoall_p.bind(*xs, comm=Handle(comm), size=size)

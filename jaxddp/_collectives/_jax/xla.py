@@ -1,0 +1,108 @@
+"""jaxddp's collectives as JAX's own, for a step that ``jaxddp.spmd`` runs over the ranks' mesh.
+
+While ``jaxddp.spmd`` traces a step, :func:`axis` names the mesh axis of the ranks, and
+:mod:`.ops` emits ``psum``, ``pmax``, ``pmin``, ``all_gather`` and ``all_to_all`` over it
+instead of MPI calls: XLA runs them itself (NCCL on GPUs, gloo across processes on CPUs) and
+may overlap them with the rest of the step. Outside such a trace :func:`axis` is None and
+nothing here is used. The context is a :class:`contextvars.ContextVar`, so a trace on
+another thread (a background save, a loader) never sees it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "AXIS",
+    "allgather",
+    "allreduce",
+    "alltoall",
+    "axis",
+    "axis_for",
+    "bcast",
+    "bound",
+    "reduce",
+]
+
+AXIS = "jaxddp_ranks"  # the mesh axis of the ranks, one device per rank, in rank order
+
+_axis: contextvars.ContextVar[str | None] = contextvars.ContextVar("jaxddp_axis", default=None)
+
+
+def axis() -> str | None:
+    """The ranks' mesh axis while ``jaxddp.spmd`` traces a step, else None."""
+    return _axis.get()
+
+
+def axis_for(comm: Any) -> str | None:
+    """The mesh axis to run a collective over ``comm`` on, or None for MPI: the mesh spans
+    the world, so a collective over another communicator (a subgroup, another order) stays
+    an MPI call, which runs inside the mapped step as anywhere else."""
+    name = _axis.get()
+    if name is None:
+        return None
+    from ..._runtime.world import jax_comm
+
+    return name if comm is jax_comm() else None
+
+
+@contextlib.contextmanager
+def bound(name: str) -> Iterator[None]:
+    """Within it, jaxddp's traced collectives run over the mesh axis ``name``."""
+    token = _axis.set(name)
+    try:
+        yield
+    finally:
+        _axis.reset(token)
+
+
+def _reducer(op: Any) -> Any:
+    from ..._runtime.world import mpi
+
+    MPI = mpi()
+    if op == MPI.SUM:
+        return jax.lax.psum
+    if op == MPI.MAX:
+        return jax.lax.pmax
+    if op == MPI.MIN:
+        return jax.lax.pmin
+    msg = f"jaxddp.spmd has no XLA collective for the MPI op {op!r}."
+    raise NotImplementedError(msg)
+
+
+def allreduce(xs: Sequence[Any], op: Any, name: str) -> list[Any]:
+    """Every rank's ``xs`` reduced with the MPI op ``op`` (sum, max or min)."""
+    reducer = _reducer(op)
+    return [reducer(x, name) for x in xs]
+
+
+def allgather(xs: Sequence[Any], name: str) -> list[Any]:
+    """Every rank's values of each array, stacked on a new first axis in rank order."""
+    return [jax.lax.all_gather(x, name) for x in xs]
+
+
+def bcast(xs: Sequence[Any], root: int, name: str) -> list[Any]:
+    """``root``'s values of each array: gathered and picked, so that every bit (a negative
+    zero, a NaN's payload) arrives as it left."""
+    return [jax.lax.all_gather(x, name)[root] for x in xs]
+
+
+def reduce(xs: Sequence[Any], op: Any, root: int, name: str) -> list[Any]:
+    """The reduction of each array on ``root``; every other rank gets its own input back.
+
+    Every rank runs the same program: the choice is made on the rank's position on the
+    mesh, not on a Python value that would differ between the ranks' programs."""
+    reduced = allreduce(xs, op, name)
+    here = jax.lax.axis_index(name) == root
+    return [jnp.where(here, r, x) for r, x in zip(reduced, xs, strict=True)]
+
+
+def alltoall(xs: Sequence[Any], name: str) -> list[Any]:
+    """Row ``j`` of each array goes to rank ``j``; row ``i`` of the result came from rank ``i``."""
+    return [jax.lax.all_to_all(x, name, 0, 0) for x in xs]

@@ -1,0 +1,184 @@
+"""``jaxddp.spmd``: a per-rank step, run with JAX's own collectives when ``JAXDDP_COLLECTIVES=xla``.
+
+The user's step stays a per-rank function: its arguments are this rank's values (the model,
+the optimizer state, this rank's batch), jaxddp's collectives inside it reduce across the
+ranks, and it returns this rank's results. With ``JAXDDP_COLLECTIVES=mpi`` (the default)
+:func:`spmd` is ``jax.jit`` (or the step itself, when it is jitted already). With ``xla``, each
+call makes every argument leaf one block of a global array over the ranks' mesh (one device
+per rank, :func:`jaxddp._runtime.distributed.mesh`; no copy: the rank's own buffer is its
+block), runs the step under ``jax.shard_map`` with jaxddp's collectives bound to the mesh
+axis (``psum``, ``all_gather``, ``all_to_all``: NCCL on GPUs, gloo on CPUs), and gives back
+each result's block on this rank. Flax NNX objects among the arguments (a model, an
+``nnx.Optimizer``) travel as their state and are updated in place, as ``nnx.jit`` does.
+
+Before each call the ranks agree on the arguments' tree, shapes and dtypes (one small MPI
+message, ``JAXDDP_CHECK``): ranks whose batches differ in shape would otherwise build
+global arrays that do not fit together.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._base import progress as _progress
+from .._base import settings as _settings
+from .._collectives import signature as _signature
+from .._collectives._jax import xla as _xla
+from .._collectives.api import channels
+from .._runtime import distributed as _distributed
+
+__all__ = ["spmd"]
+
+_WHAT = "arguments of the step wrapped in `jaxddp.spmd`"
+
+
+def spmd(fun: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = ()) -> Any:
+    """Runs a per-rank training step with the collectives ``JAXDDP_COLLECTIVES`` picks.
+
+    Write the step as for one rank (``jaxddp.masked_mean`` loss,
+    ``optax.chain(jaxddp.allreduce_gradients(), ...)``, ``SyncBatchNorm``, a sharded
+    optimizer) and wrap it once: ``step = jaxddp.spmd(train_step)``, or use it as a
+    decorator. With ``mpi`` (the default) it is ``jax.jit`` (a step already made with
+    ``jax.jit`` or ``nnx.jit`` is returned as it is). With ``xla`` every rank runs the step
+    over a one-axis mesh of the ranks' devices, and jaxddp's collectives in it are JAX's own
+    (NCCL on GPUs); the results equal the MPI path's. See the XLA collectives page.
+
+    Args:
+      fun: the step: arrays, pytrees of arrays and Flax NNX objects in (an NNX object is
+        updated in place, as with ``nnx.jit``), a pytree of arrays out. It may be jitted.
+      static_argnums: arguments that are not arrays (a flag, a size): hashable, part of
+        what the step is compiled for.
+
+    Returns:
+      The wrapped step: called with this rank's values, it returns this rank's results.
+      Every rank must call it, with arguments of the same tree, shapes and dtypes;
+      otherwise every rank raises :class:`jaxddp.TreeMismatchError` naming the first
+      difference (``JAXDDP_CHECK=0`` turns that check off).
+
+    Example:
+      >>> import jax.numpy as jnp, jaxddp
+      >>> step = jaxddp.spmd(lambda x: jaxddp.allreduce(x, op="sum"))
+      >>> float(step(jnp.float32(1.0))) == jaxddp.world_size()
+      True
+    """
+    if fun is None:
+        return functools.partial(spmd, static_argnums=static_argnums)
+    statics = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    if _settings.collectives() != "xla":
+        return fun if hasattr(fun, "lower") else jax.jit(fun, static_argnums=statics)
+    return _Mapped(fun, statics)
+
+
+def _graph_node(x: Any) -> bool:
+    try:
+        from flax.nnx import graph
+    except ImportError:  # no flax: no NNX objects
+        return False
+    return bool(graph.is_graph_node(x))
+
+
+class _Mapped:
+    """A step mapped over the ranks' mesh; its compiled forms are jit's to cache."""
+
+    def __init__(self, fun: Callable[..., Any], statics: tuple[int, ...]) -> None:
+        self.fun = fun
+        self.statics = statics
+        functools.update_wrapper(self, fun)
+        self._run = jax.jit(self._mapped, static_argnums=(0, 1, 2))
+        self._scalars: dict[Any, Any] = {}  # per compiled form: which results are scalars
+
+    def __call__(self, *args: Any) -> Any:
+        _progress.note("a step of jaxddp.spmd")
+        _, size, _, host_comm = channels(None)
+        statics = tuple((i, args[i]) for i in self.statics)
+        dynamic = [a for i, a in enumerate(args) if i not in self.statics]
+        nodes = tuple(i for i, a in enumerate(dynamic) if _graph_node(a))
+        graphdef, state = None, None
+        objects = tuple(dynamic[i] for i in nodes)
+        if nodes:
+            from flax import nnx
+
+            graphdef, state = nnx.split(objects)
+            dynamic = [None if i in nodes else a for i, a in enumerate(dynamic)]
+        tree = (state, dynamic)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if size > 1:
+            _signature.check_call(
+                host_comm, "jaxddp.spmd", what=_WHAT, traced=False, tree=tree,
+                flat=(leaves, treedef),
+            )  # fmt: skip
+        mesh = _distributed.mesh()
+        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(_xla.AXIS))
+        device = jax.local_devices()[0]  # the mesh's device of this rank (mesh() checks)
+        blocks = [_block(x, device, sharding, size) for x in leaves]
+        layout = (treedef, tuple(np.ndim(x) for x in leaves), nodes, graphdef)
+        results = self._run(statics, layout, len(args), *blocks)
+        scalars = self._scalars[(statics, layout, len(args))]
+        out, new_state = jax.tree_util.tree_map(_local, results, scalars)
+        if nodes:
+            from flax import nnx
+
+            nnx.update(objects, new_state)
+        return out
+
+    def _mapped(
+        self, statics: tuple[tuple[int, Any], ...], layout: Any, count: int, *blocks: Any
+    ) -> Any:
+        treedef, ranks, nodes, graphdef = layout
+        mesh = _distributed.mesh()
+        spec = jax.sharding.PartitionSpec(_xla.AXIS)
+
+        def body(*blocks: Any) -> Any:
+            leaves = [b.reshape(()) if r == 0 else b for b, r in zip(blocks, ranks, strict=True)]
+            state, dynamic = jax.tree_util.tree_unflatten(treedef, leaves)
+            objects: tuple[Any, ...] = ()
+            if nodes:
+                from flax import nnx
+
+                objects = nnx.merge(graphdef, state)
+                for i, obj in zip(nodes, objects, strict=True):
+                    dynamic[i] = obj
+            fixed = dict(statics)
+            rest = iter(dynamic)
+            args = [fixed[i] if i in fixed else next(rest) for i in range(count)]
+            with _xla.bound(_xla.AXIS):
+                out = self.fun(*args)
+            new_state = None
+            if nodes:
+                from flax import nnx
+
+                new_state = nnx.state(objects)
+            results = (out, new_state)
+            self._scalars[(statics, layout, count)] = jax.tree_util.tree_map(
+                lambda x: x.ndim == 0, results
+            )
+            return jax.tree_util.tree_map(_as_block, results)
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
+        return mapped(*blocks)
+
+
+def _block(x: Any, device: Any, sharding: Any, size: int) -> Any:
+    """This rank's leaf as its block of a global array: stacked along its first axis (a
+    scalar becomes one element of a vector), its buffer used as it is."""
+    if not (isinstance(x, jax.Array) and x.committed and x.devices() == {device}):
+        x = jax.device_put(x, device)
+    if x.ndim == 0:
+        x = x.reshape(1)
+    shape = (size * x.shape[0], *x.shape[1:])
+    return jax.make_array_from_single_device_arrays(shape, sharding, [x])
+
+
+def _as_block(x: Any) -> Any:
+    return x.reshape(1) if x.ndim == 0 else x
+
+
+def _local(x: Any, scalar: bool) -> Any:
+    """This rank's block of a result, shaped as the step returned it."""
+    block = x.addressable_data(0)
+    return block.reshape(()) if scalar else block
