@@ -74,6 +74,7 @@ def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     return np.asarray(x_train), np.asarray(y_train), np.asarray(x_test), np.asarray(y_test)
 
 
+@jaxddp.spmd  # JAXDDP_COLLECTIVES=xla: over the ranks' mesh, JAX's own collectives
 @nnx.jit
 def train_step(
     model: MLP, optimizer: nnx.Optimizer, x: ArrayLike, y: ArrayLike, mask: ArrayLike

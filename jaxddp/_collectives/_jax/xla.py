@@ -41,20 +41,28 @@ def axis() -> str | None:
 
 
 def axis_for(comm: Any) -> str | None:
-    """The mesh axis to run a collective over ``comm`` on, or None for MPI: the mesh spans
-    the world, so a collective over another communicator (a subgroup, another order) stays
-    an MPI call, which runs inside the mapped step as anywhere else."""
+    """The mesh axis to run a collective over ``comm`` on, or None (not inside
+    ``jaxddp.spmd``: an MPI call). The mesh spans the world in rank order, so a collective
+    over another communicator (a subgroup, another order) is refused there."""
     name = _axis.get()
     if name is None:
         return None
     from ..._runtime.world import jax_comm
 
-    return name if comm is jax_comm() else None
+    if comm is not jax_comm():
+        msg = (
+            "A jaxddp collective with `comm=` another communicator than the world's was "
+            "called inside a step wrapped in `jaxddp.spmd` with JAXDDP_COLLECTIVES=xla, "
+            "where collectives run over the mesh of every rank. Call it outside the wrapped "
+            "step (a separate `jax.jit`), or leave `comm` unset, or unset JAXDDP_COLLECTIVES."
+        )
+        raise NotImplementedError(msg)
+    return name
 
 
 @contextlib.contextmanager
 def bound(name: str) -> Iterator[None]:
-    """Within it, jaxddp's traced collectives run over the mesh axis ``name``."""
+    """Within it, jaxddp's traced collectives over the world run over the mesh axis ``name``."""
     token = _axis.set(name)
     try:
         yield

@@ -39,14 +39,24 @@ def check_step(step: Any) -> int:
 
 def open_orbax(directory: str, max_to_keep: int | None) -> Any:
     """Orbax's single-process manager of ``directory`` (created if missing)."""
-    import orbax.checkpoint as ocp
-
     # Synchronous: a save returns complete anyway, and an asynchronous one that fails early
     # (the step's folder cannot be made) leaves Orbax's commit threads waiting for a signal
     # that never comes: non-daemon threads that keep the writer from exiting for Orbax's
     # 300 s timeout. The synchronous save costs the same.
+    # Under JAX's distributed runtime (JAXDDP_COLLECTIVES=xla) Orbax would make every
+    # process of it take part in the writer's barriers, and the writer would wait for ranks
+    # that never open a manager: it is told that it writes alone (and then leaves making the
+    # directory to its caller).
+    import jax
+    import orbax.checkpoint as ocp
+
+    alone = {"primary_host": jax.process_index(), "active_processes": {jax.process_index()}}
+    os.makedirs(directory, exist_ok=True)
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=max_to_keep, create=True, enable_async_checkpointing=False
+        max_to_keep=max_to_keep,
+        create=False,
+        enable_async_checkpointing=False,
+        multiprocessing_options=ocp.options.MultiprocessingOptions(**alone),
     )
     return ocp.CheckpointManager(
         directory,

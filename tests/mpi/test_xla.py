@@ -1,0 +1,274 @@
+"""``JAXDDP_COLLECTIVES=xla`` on real ranks: ``jaxddp.spmd`` runs each step over the ranks' mesh
+with JAX's own collectives (gloo across the processes on this CPU machine), and everything
+equals the MPI path.
+
+Every test compares the step wrapped in ``jaxddp.spmd`` (the XLA path) with the same step
+under plain ``jax.jit`` (the MPI path: a jitted function outside ``spmd`` keeps jaxddp's MPI
+collectives in either mode) on the same ranks, and, for training, with one process on the
+global batch: to 1e-6.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from mpi4py import MPI
+
+import jaxddp
+from jaxddp._collectives.signature import TreeMismatchError
+
+MPI_SIZES = (2, 4)
+MPI_VARIANTS = {"xla": {"JAXDDP_COLLECTIVES": "xla"}}
+MPI_VARIANTS_ONLY = True
+
+rank = jaxddp.rank()
+size = jaxddp.world_size()
+BATCH = 6  # per rank
+
+
+def test_jax_runs_as_one_distributed_job_of_the_mpi_world():
+    assert jax.process_count() == size
+    assert jax.process_index() == rank
+    assert len(jax.devices()) == size  # one device per rank, every rank's in the mesh
+
+
+def _tree(seed):
+    rng = np.random.default_rng(seed)
+    return {
+        "f32": jnp.asarray(rng.standard_normal((3, 5)), jnp.float32),
+        "bf16": jnp.asarray(rng.standard_normal(7), jnp.bfloat16),
+        "i32": jnp.asarray(rng.integers(-50, 50, 4), jnp.int32),
+        "flag": jnp.asarray(rng.random(3) < 0.5),
+        "scalar": jnp.float32(seed),
+    }
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_allreduce_equals_the_mpi_path(op):
+    tree = _tree(rank)
+    on_xla = jaxddp.spmd(lambda t: jaxddp.allreduce(t, op=op))(tree)
+    on_mpi = jax.jit(lambda t: jaxddp.allreduce(t, op=op))(tree)
+    for key in tree:
+        assert on_xla[key].dtype == on_mpi[key].dtype, key
+        assert on_xla[key].shape == on_mpi[key].shape, key
+        np.testing.assert_allclose(
+            np.asarray(on_xla[key], np.float64), np.asarray(on_mpi[key], np.float64), rtol=1e-6
+        )
+
+
+@pytest.mark.parametrize("root", [0, size - 1])
+def test_broadcast_and_reduce_equal_the_mpi_path(root):
+    tree = _tree(10 + rank)
+    for fn, exact in (
+        (lambda t: jaxddp.broadcast(t, root=root), True),
+        (lambda t: jaxddp.reduce(t, "sum", root=root), False),  # sums in another order
+    ):
+        on_xla, on_mpi = jaxddp.spmd(fn)(tree), jax.jit(fn)(tree)
+        for key in tree:
+            a, b = np.asarray(on_xla[key], np.float64), np.asarray(on_mpi[key], np.float64)
+            if exact or rank != root:  # a broadcast's bits, a non-root's own values
+                np.testing.assert_array_equal(a, b)
+            else:
+                np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+def test_a_collective_over_another_communicator_is_refused_on_every_rank():
+    pairs = MPI.COMM_WORLD.Split(color=rank // 2, key=rank)
+    step = jaxddp.spmd(lambda x: jaxddp.allreduce(x, op="sum", comm=pairs))
+    with pytest.raises(NotImplementedError, match="comm=` another communicator"):
+        step(jnp.float32(rank))
+    outside = jax.jit(lambda x: jaxddp.allreduce(x, op="sum", comm=pairs))  # the MPI path
+    assert float(outside(jnp.float32(rank))) == sum(
+        range(rank // 2 * 2, min(rank // 2 * 2 + 2, size))
+    )
+    pairs.Free()
+
+
+def _global_batch(step):
+    """Global batch ``step`` (every rank makes all of it), and which rows are real: the last
+    rank's last two rows are padding, as a sampler pads an uneven data set."""
+    rng = np.random.default_rng(100 + step)
+    x = rng.standard_normal((size * BATCH, 4)).astype(np.float32)
+    y = rng.standard_normal((size * BATCH, 1)).astype(np.float32)
+    mask = np.ones(size * BATCH, bool)
+    mask[-2:] = False
+    return x, y, mask
+
+
+def _mine(a):
+    return a[rank * BATCH : (rank + 1) * BATCH]
+
+
+def _loss(params, x, y, mask, reduce):
+    h = jnp.tanh(x @ params["w1"] + params["b1"])
+    per_example = jnp.sum((h @ params["w2"] - y) ** 2, axis=-1)
+    return reduce(per_example, mask)
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": jnp.asarray(rng.standard_normal((4, 8)) / 2, jnp.float32),
+        "b1": jnp.zeros(8, jnp.float32),
+        "w2": jnp.asarray(rng.standard_normal((8, 1)) / 3, jnp.float32),
+    }
+
+
+def _train(tx, wrap, steps=4):
+    params = _params()
+    opt_state = tx.init(params)
+    traces = []
+
+    def step(params, opt_state, x, y, mask):
+        traces.append(1)
+        loss, grads = jax.value_and_grad(_loss)(params, x, y, mask, jaxddp.masked_mean)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    run = wrap(step)
+    losses = []
+    for k in range(steps):
+        x, y, mask = _global_batch(k)
+        params, opt_state, loss = run(params, opt_state, _mine(x), _mine(y), _mine(mask))
+        losses.append(float(loss))
+    return params, losses, len(traces)
+
+
+def _one_process(inner, steps=4):
+    params = _params()
+    opt_state = inner.init(params)
+
+    def masked(v, m):
+        return jnp.sum(jnp.where(m, v, 0)) / jnp.sum(m)
+
+    for k in range(steps):
+        x, y, mask = _global_batch(k)
+        grads = jax.grad(_loss)(params, x, y, mask, masked)
+        updates, opt_state = inner.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    return params
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["allreduce_gradients", "shard_optimizer"])
+def test_training_equals_the_mpi_path_and_one_process_and_compiles_once(sharded):
+    def tx():
+        if sharded:
+            return jaxddp.shard_optimizer(optax.adam(1e-2))
+        return optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-2))
+
+    on_xla, losses_xla, traces = _train(tx(), jaxddp.spmd)
+    on_mpi, losses_mpi, _ = _train(tx(), jax.jit)
+    alone = _one_process(optax.adam(1e-2))
+    assert traces == 1  # four steps, one compilation
+    np.testing.assert_allclose(losses_xla, losses_mpi, rtol=1e-6)
+    for key in alone:
+        np.testing.assert_allclose(on_xla[key], on_mpi[key], rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(on_xla[key], alone[key], rtol=1e-6, atol=1e-6)
+
+
+class _Net(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(4, 8, rngs=rngs)
+        self.norm = jaxddp.SyncBatchNorm(8, use_fast_variance=False, rngs=rngs)
+        self.out = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x, mask):
+        return self.out(nnx.relu(self.norm(self.hidden(x), mask=mask)))
+
+
+def _nnx_run(wrap):
+    model = _Net(nnx.Rngs(0))
+    tx = optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.05, momentum=0.9))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer, x, y, mask):
+        def loss_fn(model):
+            per_example = jnp.sum((model(x, mask) - y) ** 2, axis=-1)
+            return jaxddp.masked_mean(per_example, mask)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    run = wrap(step)
+    for k in range(3):
+        x, y, mask = _global_batch(k)
+        run(model, optimizer, _mine(x), _mine(y), _mine(mask))
+    return nnx.state(model)
+
+
+def test_an_nnx_step_with_sync_batch_norm_equals_the_mpi_path():
+    on_xla = _nnx_run(jaxddp.spmd)
+    on_mpi = _nnx_run(lambda f: f)  # nnx.jit alone: jaxddp's MPI collectives
+    flat_xla, flat_mpi = jax.tree.leaves(on_xla), jax.tree.leaves(on_mpi)
+    assert len(flat_xla) == len(flat_mpi) > 0
+    for a, b in zip(flat_xla, flat_mpi, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    # batch statistics and parameters are the same on every rank
+    assert jaxddp.synchronize(nnx.state(_Net(nnx.Rngs(rank))), root=0) is not None
+    mine = np.concatenate([np.ravel(x) for x in flat_xla]).astype(np.float64)
+    assert np.array_equal(jaxddp.allreduce(mine, op="max"), jaxddp.allreduce(mine, op="min"))
+
+
+def test_another_batch_shape_on_one_rank_is_an_error_on_every_rank():
+    step = jaxddp.spmd(lambda x: jaxddp.allreduce(x.sum(), op="sum"))
+    x = jnp.ones(BATCH - 1 if rank == size - 1 else BATCH)
+    with pytest.raises(TreeMismatchError, match=r"differs across ranks.*float32\[5\]"):
+        step(x)
+    tree = {"x": jnp.ones(3)} if rank == 0 else {"y": jnp.ones(3)}
+    with pytest.raises(TreeMismatchError):
+        step(tree)
+    assert float(step(jnp.ones(BATCH))) == size * BATCH  # and the next call works
+
+
+def test_join_trains_uneven_streams_on_the_xla_path():
+    params = {"w": jnp.zeros(4, jnp.float32)}
+
+    @jaxddp.spmd
+    def step(params, x, mask):
+        def loss_fn(p):
+            return jaxddp.masked_mean((x @ p["w"] - 1.0) ** 2, mask)
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        grads = jaxddp.allreduce(grads)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    stream = [np.full((3, 4), rank + k, np.float32) for k in range(rank + 1)]  # uneven
+    steps = 0
+    for batch, mask in jaxddp.join(stream, batch_size=3):
+        params, _ = step(params, batch, mask)
+        steps += 1
+    assert steps == size
+    w = np.asarray(params["w"])
+    assert np.array_equal(jaxddp.allreduce(w, op="max"), jaxddp.allreduce(w, op="min"))
+
+
+def test_checkpoints_background_and_sliced_save_and_resume_on_the_xla_path(tmp_path_factory):
+    # one directory for every rank: rank 0's, broadcast
+    directory = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("xla")) if rank == 0 else None)
+    tx = jaxddp.shard_optimizer(optax.adam(1e-2))
+    params = _params()
+    opt_state = tx.init(params)
+
+    @jaxddp.spmd
+    def step(params, opt_state, x, y, mask):
+        grads = jax.grad(_loss)(params, x, y, mask, jaxddp.masked_mean)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    manager = jaxddp.CheckpointManager(directory, max_to_keep=2)  # background, the default
+    for k in range(3):
+        x, y, mask = _global_batch(k)
+        params, opt_state = step(params, opt_state, _mine(x), _mine(y), _mine(mask))
+        manager.save(k, {"params": params, "opt": opt_state})
+    manager.wait_until_finished()
+    target = {"params": _params(), "opt": tx.init(_params())}
+    restored = manager.restore(None, target=target)
+    assert manager.latest_step() == 2
+    manager.close()
+    saved = {"params": params, "opt": opt_state}
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
