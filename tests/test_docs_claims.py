@@ -142,3 +142,15 @@ def test_the_digits_accuracy_the_docs_state_is_what_the_example_prints():
     printed = _accuracy(done.stdout)
     assert f"run reaches {printed} test accuracy" in _read(DOCS / "getting-started.md")
     assert f"accuracy ({printed} after the default 20 epochs" in _read(README)
+
+
+@pytest.mark.parametrize("page", [DOCS / "index.md", README], ids=["home", "readme"])
+def test_an_install_without_build_isolation_installs_jax_first(page):
+    """mpi4jax's build imports `jax.ffi` for its headers: built with
+    `--no-build-isolation`, it fails unless jax was installed before it."""
+    blocks = re.findall(r"```bash\n(.*?)```", _read(page), re.DOTALL)
+    builds = [b for b in blocks if "--no-build-isolation" in b and "mpi4jax" in b]
+    assert builds
+    for block in builds:
+        before = block[: block.index("mpi4jax")]
+        assert re.search(r"pip install (?:\S+ )*jax\b", before), block
