@@ -11,6 +11,7 @@ from importlib.metadata import version as _version
 from typing import TYPE_CHECKING
 
 from ._base.progress import heartbeat as heartbeat
+from ._base.settings import SettingError as SettingError
 from ._collectives._jax import compat as _jax_compat
 from ._collectives.api import allreduce as allreduce
 from ._collectives.api import broadcast as broadcast
@@ -74,6 +75,7 @@ __all__ = [
     "LauncherReport",
     "LauncherWarning",
     "LinenSyncBatchNorm",
+    "SettingError",
     "ShardedOptimizer",
     "ShardedState",
     "SyncBatchNorm",

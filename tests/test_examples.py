@@ -14,7 +14,7 @@ from tests.harness import launch
 
 pytestmark = pytest.mark.slow
 
-EPOCHS = "4"  # 94% on 1 and on 2 ranks (90% needed); 8 epochs took twice as long
+EPOCHS = "4"  # 95.78% on 1 and on 2 ranks (90% needed); 8 epochs took twice as long
 
 
 def _accuracy(text: str) -> float:
@@ -68,7 +68,9 @@ def test_digits_without_a_launcher_matches_the_same_global_batch(digits_on_two_r
     assert "model identical on all 1 ranks: yes" in done.stdout
     one, two = _accuracy(done.stdout), _accuracy(digits_on_two_ranks.rank_logs["0"])
     assert one > 0.9
-    assert abs(one - two) <= 0.03, (one, two)
+    # the same model up to float rounding (SyncBatchNorm, masked_mean): the same accuracy,
+    # as the docs state for the default 20 epochs (tests/test_docs_claims.py)
+    assert one == two, (one, two)
 
 
 def test_mixture_of_experts_with_rank_dependent_branches_neither_hangs_nor_diverges():

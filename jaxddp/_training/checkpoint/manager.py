@@ -30,7 +30,7 @@ from ..._runtime import world as _world
 from ..._types import Communicator
 from . import background as _background
 from . import replicated, sharded
-from .steps import check_step, move_aside, open_orbax, read_step, write_step
+from .steps import check_step, move_aside, open_orbax, read_step, require_orbax, write_step
 from .trees import DamagedCheckpointError, restored_like, to_storable
 
 __all__ = ["CheckpointManager", "DamagedCheckpointError"]
@@ -68,7 +68,7 @@ class CheckpointManager:
     checksum; a ``ShardedState``'s slices, each rank's own, excepted) is refused on every
     rank with a ValueError naming the entry.
 
-    Needs ``orbax-checkpoint`` (``pip install jaxddp[checkpoint]``).
+    Needs ``orbax-checkpoint``: without it, ImportError (``pip install "jaxddp[checkpoint]"``).
 
     Args:
       directory: where checkpoints go, one subdirectory per step; created if missing.
@@ -98,11 +98,11 @@ class CheckpointManager:
         if not isinstance(background, bool):
             msg = f"Expected `background` to be True or False, got {background!r}."
             raise TypeError(msg)
+        require_orbax()  # on every rank, before any rank waits for the others
         self._background = background
         self._write: _background.Write | None = None  # the writer's save in flight
         self._in_flight: int | None = None  # its step, on every rank
-        self._user_comm = comm
-        self._comm = _world.check_comm(comm)
+        self._user_comm, self._comm = comm, _world.check_comm(comm)
         self._writer = self._comm.Get_rank() == _ROOT
         self.directory = os.path.abspath(os.fspath(directory))
         self._manager: Any = None

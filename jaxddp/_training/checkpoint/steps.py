@@ -5,6 +5,7 @@ aside when it was found damaged."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import shutil
@@ -22,7 +23,15 @@ from .trees import (
     verify,
 )
 
-__all__ = ["check_step", "move_aside", "open_orbax", "read_step", "remove_leftovers", "write_step"]
+__all__ = [
+    "check_step",
+    "move_aside",
+    "open_orbax",
+    "read_step",
+    "remove_leftovers",
+    "require_orbax",
+    "write_step",
+]
 
 # Orbax's temporary folder of a step being written: `<step>.orbax-checkpoint-tmp`, with a
 # suffix in some versions; renamed to `<step>` when the write is complete
@@ -35,6 +44,23 @@ def check_step(step: Any) -> int:
         msg = f"Expected `step` to be a non-negative int, got {step!r} instead."
         raise ValueError(msg)
     return int(step)
+
+
+def require_orbax() -> None:
+    """ImportError naming the extra to install where Orbax cannot be imported. Checked on
+    every rank before the manager's first collective, without importing Orbax (only the
+    writer uses it); a rank without Orbax raises before the others wait for it, and its
+    exception ends the job (the fail-fast abort)."""
+    try:
+        found = importlib.util.find_spec("orbax.checkpoint") is not None
+    except ImportError:  # `orbax` itself missing, or blocked
+        found = False
+    if not found:
+        msg = (
+            "`jaxddp.CheckpointManager` needs Orbax (the `orbax-checkpoint` package), which is "
+            'not installed: pip install "jaxddp[checkpoint]"'
+        )
+        raise ImportError(msg, name="orbax.checkpoint")
 
 
 def open_orbax(directory: str, max_to_keep: int | None) -> Any:
