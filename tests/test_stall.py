@@ -51,10 +51,11 @@ def run(
     launcher_args: tuple[str, ...] = (),
     *,
     buffered: bool = False,
+    env: dict[str, str] | None = None,
 ):
     """``buffered``: Python's stdout block-buffered, as under a launcher (not the harness's
-    ``PYTHONUNBUFFERED=1``)."""
-    env = dict(os.environ, **ENV)
+    ``PYTHONUNBUFFERED=1``); ``env``: more variables."""
+    env = dict(os.environ, **ENV, **(env or {}))
     if buffered:
         env["PYTHONUNBUFFERED"] = ""
     quick = np in SLEEPING_WAITS_AT
@@ -112,6 +113,22 @@ def test_a_rank_asleep_in_its_data_loading_is_named_with_its_line(np):
     assert f"at tests/scripts/stall.py:{line_of('sleep')} in load_batch" in rank_lines(report, last)
     for r in range(last):
         assert "waiting in the compiled function `step`" in rank_lines(report, r), report
+    assert "aborting every rank with MPI_Abort" in report
+
+
+def test_ranks_waiting_in_an_xla_collective_are_reported_with_where():
+    # JAXDDP_COLLECTIVES=xla, without the per-call check: rank 0 runs its step and waits for
+    # the XLA (gloo) collective that the sleeping rank never joins (in the step's call, or
+    # in `float(loss)` where XLA runs it asynchronously)
+    result = run("sleep", 2, env={"JAXDDP_COLLECTIVES": "xla", "JAXDDP_CHECK": "0"})
+    report = report_of(result)
+    assert behind(report) == "1", report
+    assert f"at tests/scripts/stall.py:{line_of('sleep')} in load_batch" in rank_lines(report, 1)
+    waiting = rank_lines(report, 0)
+    assert waiting.startswith("waiting in jaxddp (a collective, or a compiled step's result)")
+    assert re.search(
+        rf"at tests/scripts/stall.py:({line_of('step')}|{line_of('loss')}) in <module>", waiting
+    ), report
     assert "aborting every rank with MPI_Abort" in report
 
 

@@ -64,6 +64,11 @@ def step(params, opt_state, x, mask):
     return optax.apply_updates(params, updates), opt_state, loss
 
 
+# With JAXDDP_COLLECTIVES=xla (tests/test_stall.py's xla case) the step runs over the ranks'
+# mesh and its collectives are XLA's; otherwise this is the jitted step itself.
+step = jaxddp.spmd(step)
+
+
 def misbehaves():
     print(f"rank {rank} misbehaves at {time.time():.3f}", file=sys.stderr, flush=True)
 
