@@ -90,7 +90,9 @@ class _Mapped:
         self.statics = statics
         functools.update_wrapper(self, fun)
         self._run = jax.jit(self._mapped, static_argnums=(0, 1, 2))
-        self._scalars: dict[Any, Any] = {}  # per compiled form: which results are scalars
+        self._scalars: dict[Any, list[bool]] = {}  # per compiled form: the scalar results
+        self._sharding: Any = None
+        self._made: dict[int, tuple[Any, Any]] = {}  # the last results: id -> (mine, global)
 
     def __call__(self, *args: Any) -> Any:
         _progress.note("a step of jaxddp.spmd")
@@ -112,14 +114,20 @@ class _Mapped:
                 host_comm, "jaxddp.spmd", what=_WHAT, traced=False, tree=tree,
                 flat=(leaves, treedef),
             )  # fmt: skip
-        mesh = _distributed.mesh()
-        sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(_xla.AXIS))
-        device = jax.local_devices()[0]  # the mesh's device of this rank (mesh() checks)
-        blocks = [_block(x, device, sharding, size) for x in leaves]
-        layout = (treedef, tuple(np.ndim(x) for x in leaves), nodes, graphdef)
+        if self._sharding is None:
+            mesh = _distributed.mesh()
+            self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(_xla.AXIS))
+        made = self._made
+        blocks = [_block(x, made, self._sharding, size) for x in leaves]
+        layout = (treedef, tuple([np.ndim(x) for x in leaves]), nodes, graphdef)
         results = self._run(statics, layout, len(args), *blocks)
         scalars = self._scalars[(statics, layout, len(args))]
-        out, new_state = jax.tree_util.tree_map(_local, results, scalars)
+        flat, out_treedef = jax.tree_util.tree_flatten(results)
+        mine = [_local(g, scalar) for g, scalar in zip(flat, scalars, strict=True)]
+        # the next call's arguments are mostly these results (the state, fed back): their
+        # global arrays are taken as they are, instead of being made again
+        self._made = {id(x): (x, g) for x, g in zip(mine, flat, strict=True)}
+        out, new_state = jax.tree_util.tree_unflatten(out_treedef, mine)
         if nodes:
             from flax import nnx
 
@@ -154,18 +162,23 @@ class _Mapped:
 
                 new_state = nnx.state(objects)
             results = (out, new_state)
-            self._scalars[(statics, layout, count)] = jax.tree_util.tree_map(
-                lambda x: x.ndim == 0, results
-            )
+            self._scalars[(statics, layout, count)] = [
+                x.ndim == 0 for x in jax.tree.leaves(results)
+            ]
             return jax.tree_util.tree_map(_as_block, results)
 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
         return mapped(*blocks)
 
 
-def _block(x: Any, device: Any, sharding: Any, size: int) -> Any:
+def _block(x: Any, made: dict[int, tuple[Any, Any]], sharding: Any, size: int) -> Any:
     """This rank's leaf as its block of a global array: stacked along its first axis (a
-    scalar becomes one element of a vector), its buffer used as it is."""
+    scalar becomes one element of a vector), its buffer used as it is. A result of the last
+    call (``made``) comes with its global array already."""
+    found = made.get(id(x))
+    if found is not None and found[0] is x:
+        return found[1]
+    device = sharding.mesh.devices.flat[jax.process_index()]
     if not (isinstance(x, jax.Array) and x.committed and x.devices() == {device}):
         x = jax.device_put(x, device)
     if x.ndim == 0:

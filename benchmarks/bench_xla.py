@@ -1,0 +1,143 @@
+"""jaxddp's two paths for a step's collectives, timed in one launch: MPI against XLA's own.
+
+    JAXDDP_COLLECTIVES=xla mpiexec -n 2 python benchmarks/bench_xla.py --out xla-np2.json
+
+With ``JAXDDP_COLLECTIVES=xla`` a step wrapped in ``jaxddp.spmd`` runs over the ranks' mesh
+with JAX's collectives (gloo across the processes on a CPU), while the same step under plain
+``jax.jit`` keeps jaxddp's MPI collectives: both paths, and the step without sync, take turns
+in one process (``interleaved`` medians of back-to-back steps, forward, backward and adam).
+The limit, mpi4py's flat ``Allreduce`` of the gradient's bytes, is measured beside them, and
+so is the step without sync wrapped in ``jaxddp.spmd`` (what the wrapping itself costs).
+
+The cases: the digits example's MLP (6 leaves), a residual MLP of 20 leaves (1.1 MB), and
+the ResNet-50 x0.1 leaf shapes (161 leaves).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxddp
+from benchmarks.bench_allreduce import impl_limit, interleaved
+from benchmarks.bench_step import MLP_SIZES, many_leaf_loss, mlp_loss, mlp_params
+from benchmarks.payloads import PAYLOADS, make_tree
+from jaxddp._base import settings
+
+
+def residual_params(key: jax.Array, width: int = 256, blocks: int = 4) -> dict[str, Any]:
+    keys = jax.random.split(key, blocks + 1)
+    params = {
+        f"block{i}": {"w": jax.random.normal(k, (width, width)) / width**0.5, "b": jnp.zeros(width)}
+        for i, k in enumerate(keys[:blocks])
+    }
+    params["in"] = {"w": jax.random.normal(keys[-1], (64, width)) / 8, "b": jnp.zeros(width)}
+    params["out"] = {"w": jnp.zeros((width, 10)), "b": jnp.zeros(10)}
+    for i in range(blocks):  # 2 more leaves per block: a layer norm's scale and offset
+        params[f"block{i}"]["scale"], params[f"block{i}"]["offset"] = (
+            jnp.ones(width),
+            jnp.zeros(width),
+        )
+    return params
+
+
+def residual_loss(params: Any, batch: Any) -> jax.Array:
+    x, y = batch
+    h = x @ params["in"]["w"] + params["in"]["b"]
+    for i in range(sum(k.startswith("block") for k in params)):
+        p = params[f"block{i}"]
+        z = (h - h.mean(-1, keepdims=True)) / (h.std(-1, keepdims=True) + 1e-5)
+        h = h + jax.nn.relu((z * p["scale"] + p["offset"]) @ p["w"] + p["b"])
+    logits = h @ params["out"]["w"] + params["out"]["b"]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def measure(params: Any, loss_fn: Callable, batch: Any, repeats: int) -> dict[str, float]:
+    def make(tx: Any, wrap: Callable) -> Callable[[], None]:
+        def step(params, opt_state, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        run = wrap(step)
+        state = [params, tx.init(params)]
+
+        def once() -> None:
+            state[0], state[1], loss = run(state[0], state[1], batch)
+            jax.block_until_ready(loss)
+
+        return once
+
+    synced = optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))
+    fns = {
+        "without_sync": make(optax.adam(1e-3), jax.jit),
+        "mpi": make(synced, jax.jit),
+        "xla": make(synced, jaxddp.spmd),
+        "xla_without_sync": make(optax.adam(1e-3), jaxddp.spmd),  # what the wrapping costs
+        "limit": impl_limit({k: np.asarray(v) for k, v in _flat_named(params).items()}),
+    }
+    return {f"{name}_s": s for name, s in interleaved(fns, 5, repeats).items()}
+
+
+def _flat_named(params: Any) -> dict[str, jax.Array]:
+    return {str(i): leaf for i, leaf in enumerate(jax.tree.leaves(params))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=32, help="per rank")
+    parser.add_argument("--repeats", type=int, default=41)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    if settings.collectives() != "xla":
+        sys.exit("run with JAXDDP_COLLECTIVES=xla (see the module's docstring)")
+    rank = jaxddp.rank()
+    x = jax.random.normal(jax.random.key(1 + rank), (args.batch_size, 64))
+    y = jax.random.randint(jax.random.key(2 + rank), (args.batch_size,), 0, 10)
+    resnet = PAYLOADS["ResNet-50 x0.1"]
+    cases = [
+        ("digits MLP, 6 leaves", mlp_params(jax.random.key(0), MLP_SIZES), mlp_loss, (x, y)),
+        ("residual MLP 4 x 256, 20 leaves", residual_params(jax.random.key(0)), residual_loss,
+         (x, y)),
+        (f"ResNet-50 x0.1 shapes, {len(resnet)} leaves",
+         jax.tree.map(jnp.asarray, make_tree(resnet, seed=0)), many_leaf_loss,
+         jax.random.normal(jax.random.key(1 + rank), ())),
+    ]  # fmt: skip
+    rows = []
+    for model, params, loss_fn, batch in cases:
+        row = {"model": model, **measure(params, loss_fn, batch, args.repeats)}
+        rows.append(row)
+        if rank == 0:
+            base = row["without_sync_s"]
+            print(
+                f"{model:>36}: no sync {base * 1e3:7.2f} ms, MPI path "
+                f"{row['mpi_s'] * 1e3:7.2f} ms (sync {(row['mpi_s'] - base) * 1e3:6.2f}), "
+                f"XLA path {row['xla_s'] * 1e3:7.2f} ms (sync {(row['xla_s'] - base) * 1e3:6.2f}; "
+                f"no sync {row['xla_without_sync_s'] * 1e3:7.2f}), "
+                f"limit {row['limit_s'] * 1e3:6.3f} ms",
+                flush=True,
+            )
+    if rank == 0 and args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        result = {
+            "ranks": jaxddp.world_size(),
+            "batch_per_rank": args.batch_size,
+            "jax": jax.__version__,
+            "cases": rows,
+        }
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
