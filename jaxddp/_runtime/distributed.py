@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from .._base import settings as _settings
+from . import gpus as _gpus
 
 __all__ = ["mesh", "start", "started"]
 
@@ -60,6 +61,17 @@ def start(comm: Any, rank: int, size: int, *, one_node: bool) -> None:
             "one mesh. Import jaxddp before the program's first JAX computation (with "
             "mpi4py.rc.initialize = False: call jaxddp.rank() first), or unset "
             "JAXDDP_COLLECTIVES."
+        )
+        raise RuntimeError(msg)
+    shared = comm.allgather(_gpus.assignment().sharing)
+    together = sorted({group for group in shared if len(group) > 1})
+    if together:
+        groups = "; ".join("ranks " + ", ".join(map(str, g)) for g in together)
+        msg = (
+            "JAXDDP_COLLECTIVES=xla needs one GPU per rank: NCCL, which moves the bytes of "
+            f"JAX's collectives on GPUs, refuses two ranks on one GPU, and here {groups} share "
+            "one. Start one rank per GPU (`mpiexec -n <number of GPUs>`), or unset "
+            "JAXDDP_COLLECTIVES (jaxddp's MPI path runs several ranks on a GPU)."
         )
         raise RuntimeError(msg)
     address = None

@@ -8,7 +8,8 @@
 # a venv that sees that Python's packages, the carried wheels (the mpich wheel, mpi4py, the
 # test tools), mpi4jax built from its carried sdist by the install recipe of docs/gpus.md,
 # and this checkout on PYTHONPATH. Then, each under its own time limit, most telling first:
-# jaxddp doctor, the digits example at 2, 4 and 1 ranks, the exactness check, the GPU
+# jaxddp doctor, the digits example at 2, 4 and 1 ranks (and 1 with JAXDDP_COLLECTIVES=xla),
+# the exactness check, the GPU
 # benchmark (jaxddp's handlers, mpi4jax's, a world of one), the MPI test suite at 2 ranks on
 # the GPU (join and checkpoints among it), and a checkpointed digits run resumed. Everything
 # goes to $OUT (default ./gpu-report): report.md (a table of every check and the figures),
@@ -117,10 +118,15 @@ BENCH="grep -oE '(with_sync_s|without_sync_s|sync_s|limit_s|ratio_to_limit|step_
 FIGURES=$BENCH step "benchmark, 2 ranks, jaxddp's handlers" 150 \
   "$MPIEXEC" -n 2 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench-np2.json"
 FIGURES=$DIGITS step "digits, 4 ranks x 16" 150 "$MPIEXEC" -n 4 "$PY" -m jaxddp.examples.digits --batch-size 16
-FIGURES=$DIGITS step "digits, 1 process x 64" 90 "$PY" -m jaxddp.examples.digits --batch-size 64
+DIGEST="grep -E 'accuracy|identical|digest' | sed -e 's/ (.*test images)//' -e 's/final parameters: //'"
+FIGURES=$DIGEST step "digits, 1 process x 64" 90 "$PY" -m jaxddp.examples.digits --batch-size 64
+# JAX's own collectives (docs/xla.md): with one GPU, one process only (NCCL refuses two ranks
+# on one GPU); its digest beside the row above's
+FIGURES=$DIGEST step "digits, 1 process x 64, JAXDDP_COLLECTIVES=xla" 90 \
+  env JAXDDP_COLLECTIVES=xla "$PY" -m jaxddp.examples.digits --batch-size 64
 FIGURES="tail -3 | grep -E 'passed|failed'" \
   step "tests/mpi, 2 ranks, on the GPU" 300 env JAX_PLATFORMS="${SUITE_PLATFORMS:-cuda}" JAXDDP_TEST_NP=2 \
-  "$PY" -m pytest tests/mpi -n 0 -q -p no:cacheprovider -k "not staged and not large_leaves"
+  "$PY" -m pytest tests/mpi -n 0 -q -p no:cacheprovider -k "not staged and not large_leaves and not xla"
 FIGURES=$BENCH step "benchmark, 2 ranks, mpi4jax's handlers" 120 env JAXDDP_NATIVE_ALLREDUCE=0 \
   "$MPIEXEC" -n 2 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench-np2-mpi4jax.json"
 FIGURES=$BENCH step "benchmark, world of one" 90 "$PY" benchmarks/bench_gpu.py ${BENCH_ARGS:-} --out "$OUT/bench-np1.json"
