@@ -78,14 +78,15 @@ def test_turned_off_it_is_neither_built_nor_used(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("mode", "name", "value"),
+    ("mode", "name", "value", "unset"),
     [
-        ("split", "JAXDDP_NATIVE_ALLREDUCE", "'0' (off)"),
-        ("split-shared", "JAXDDP_SHARED_ALLREDUCE", "'0' (off)"),
-        ("split-check", "JAXDDP_CHECK", "'off' (off)"),
+        ("split", "JAXDDP_NATIVE_ALLREDUCE", "'0' (off)", "on"),
+        ("split-shared", "JAXDDP_SHARED_ALLREDUCE", "'0' (off)", "on"),
+        ("split-check", "JAXDDP_CHECK", "'off' (off)", "on"),
+        ("split-collectives", "JAXDDP_COLLECTIVES", "'xla' (xla)", "mpi"),
     ],
 )
-def test_ranks_that_disagree_on_a_setting_of_the_collectives_all_raise(mode, name, value):
+def test_ranks_that_disagree_on_a_setting_of_the_collectives_all_raise(mode, name, value, unset):
     # A setting that changes what a collective sends or checks, set on rank 1 only: every
     # rank raises the same error naming it and each rank's value when the world starts, before
     # any collective (JAXDDP_CHECK=0 on one rank used to hang the first eager allreduce).
@@ -96,5 +97,5 @@ def test_ranks_that_disagree_on_a_setting_of_the_collectives_all_raise(mode, nam
     for row in rows:
         assert row.keys() == {"error"}, row
         assert row["error"].startswith(f"{name} differs across the ranks: "), row
-        assert f"rank 0 has it unset (on), rank 1 has {value}" in row["error"], row
+        assert f"rank 0 has it unset ({unset}), rank 1 has {value}" in row["error"], row
     assert rows[0] == rows[1]

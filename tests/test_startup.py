@@ -114,6 +114,15 @@ def test_mpi4jax_imported_by_the_program(np, when):
         assert expected in log, log
 
 
+def test_xla_collectives_after_jax_made_its_devices_are_refused_on_every_rank():
+    outputs = run("xla-late", 2)
+    for log in outputs.values():
+        assert (
+            "refused: JAXDDP_COLLECTIVES=xla: JAX had already made its devices on rank(s) 0, 1 "
+            "before jaxddp could start JAX's distributed runtime" in log
+        ), outputs
+
+
 def test_a_bad_setting_is_named_at_import():
     env = dict(os.environ, JAXDDP_SKIP_LAUNCHER_CHECK="maybe")
     done = subprocess.run(

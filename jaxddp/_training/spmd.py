@@ -34,7 +34,7 @@ from .._runtime import distributed as _distributed
 
 __all__ = ["spmd"]
 
-_WHAT = "arguments of the step wrapped in `jaxddp.spmd`"
+_WHAT = "tree of arguments of the step wrapped in `jaxddp.spmd`"
 
 
 def spmd(fun: Callable[..., Any] | None = None, *, static_argnums: int | Sequence[int] = ()) -> Any:
@@ -107,7 +107,7 @@ class _Mapped:
 
             graphdef, state = nnx.split(objects)
             dynamic = [None if i in nodes else a for i, a in enumerate(dynamic)]
-        tree = (state, dynamic)
+        tree = {"args": dynamic, "nnx_state": state}  # its paths name what differs
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if size > 1:
             _signature.check_call(
@@ -143,7 +143,8 @@ class _Mapped:
 
         def body(*blocks: Any) -> Any:
             leaves = [b.reshape(()) if r == 0 else b for b, r in zip(blocks, ranks, strict=True)]
-            state, dynamic = jax.tree_util.tree_unflatten(treedef, leaves)
+            tree = jax.tree_util.tree_unflatten(treedef, leaves)
+            state, dynamic = tree["nnx_state"], tree["args"]
             objects: tuple[Any, ...] = ()
             if nodes:
                 from flax import nnx

@@ -1,7 +1,8 @@
 """Run on ranks: which allreduce handler the ranks agreed on, and its values.
 
-``split``, ``split-shared``, ``split-check``: the launcher's rank 1 turns jaxddp's handler,
-the shared-memory allreduce or the signature check off before importing jaxddp, so the ranks
+``split``, ``split-shared``, ``split-check``, ``split-collectives``: the launcher's rank 1
+turns jaxddp's handler, the shared-memory allreduce or the signature check off (or the XLA
+collectives on) before importing jaxddp, so the ranks
 disagree on a setting that changes what a collective sends: every rank must raise the same
 SettingError when jaxddp's world starts, before any collective (printed as ``error``).
 Prints one JSON line per rank.
@@ -19,12 +20,18 @@ if sys.argv[1] == "split-shared" and launcher_rank() == "1":
     os.environ["JAXDDP_SHARED_ALLREDUCE"] = "0"
 if sys.argv[1] == "split-check" and launcher_rank() == "1":
     os.environ["JAXDDP_CHECK"] = "off"
+if sys.argv[1] == "split-collectives" and launcher_rank() == "1":
+    os.environ["JAXDDP_COLLECTIVES"] = "xla"  # its world starts (and disagrees) at import
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxddp
+try:
+    import jaxddp
+except ValueError as error:  # a SettingError (a ValueError) raised while the world starts
+    print(json.dumps({"error": str(error)}), flush=True)
+    sys.exit(0)
 from jaxddp import _native
 from jaxddp._base.settings import SettingError
 

@@ -94,5 +94,17 @@ for scenario in sys.argv[1:]:
             f"mpi4jax allreduce={theirs.tolist()} jaxddp allreduce={out['x'].tolist()}"
         )
 
+    elif scenario == "xla-late":  # JAX makes its devices, then jaxddp starts with xla
+        import os
+
+        import jax
+
+        jax.devices()
+        os.environ["JAXDDP_COLLECTIVES"] = "xla"
+        try:
+            import jaxddp
+        except RuntimeError as error:
+            print(f"refused: {error}")
+
     else:
         sys.exit(f"unknown scenario {scenario!r}")
