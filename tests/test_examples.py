@@ -82,6 +82,19 @@ def test_mixture_of_experts_with_rank_dependent_branches_neither_hangs_nor_diver
     assert "step" not in result.rank_logs["1"]
 
 
+def test_digits_on_the_xla_path_trains_the_same_model(digits_on_two_ranks):
+    # JAXDDP_COLLECTIVES=xla: the step (jaxddp.spmd) runs over the ranks' mesh with JAX's
+    # collectives (gloo here). With 2 ranks every sum is a + b in any order: the same bits.
+    command = ["-m", "jaxddp.examples.digits", "--epochs", EPOCHS, "--batch-size", "32"]
+    env = dict(os.environ, JAXDDP_COLLECTIVES="xla")
+    result = launch(command, 2, timeout=180, env=env)
+    assert result.ok, result.report()
+    out, on_mpi = result.rank_logs["0"], digits_on_two_ranks.rank_logs["0"]
+    assert "model identical on all 2 ranks: yes" in out
+    assert _accuracy(out) == _accuracy(on_mpi)
+    assert _digest(out) == _digest(on_mpi)
+
+
 def test_digits_with_a_linen_model():
     result = launch(["-m", "jaxddp.examples.digits_linen", "--epochs", "4"], 2, timeout=180)
     assert result.ok, result.report()

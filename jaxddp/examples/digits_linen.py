@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     tx = optax.chain(jaxddp.allreduce_gradients(), optax.adam(args.lr))
     opt_state = tx.init(variables["params"])
 
-    @jax.jit
+    @jaxddp.spmd  # jax.jit; with JAXDDP_COLLECTIVES=xla, over the ranks' mesh (XLA's collectives)
     def train_step(variables: Any, opt_state: Any, x: Any, y: Any, mask: Any) -> Any:
         def loss_fn(p: Any) -> tuple[jax.Array, Any]:
             logits, updated = model.apply(
