@@ -24,6 +24,7 @@ from ._collectives.consistency import synchronize as synchronize
 from ._data.join import JoinedStream as JoinedStream
 from ._data.join import join as join
 from ._data.sampler import DistributedSampler as DistributedSampler
+from ._runtime import distributed as _distributed
 from ._runtime import world as _world
 from ._runtime.launcher import LauncherMismatchError as LauncherMismatchError
 from ._runtime.launcher import LauncherReport as LauncherReport
@@ -53,6 +54,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 # where jaxddp verified that pair; a JAX jaxddp was not verified on is warned about once.
 _jax_compat.silence_mpi4jax_version_warning()
 _jax_compat.warn_if_unverified()
+_distributed.backends_started = _jax_compat.backends_started  # before JAX's runtime may start
 _world.start()
 
 

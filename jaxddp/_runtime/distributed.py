@@ -12,6 +12,7 @@ rank order, that ``jaxddp.spmd`` maps a step over.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ import numpy as np
 from .._base import settings as _settings
 from . import gpus as _gpus
 
-__all__ = ["mesh", "start", "started"]
+__all__ = ["backends_started", "mesh", "start", "started"]
 
 _started = False
 _mesh: Any = None
@@ -31,12 +32,14 @@ def started() -> bool:
     return _started
 
 
-def _backends_started() -> bool:
-    """Whether JAX has made its devices already (after that, distributed start is refused)."""
-    from jax._src import xla_bridge
+def _never() -> bool:
+    return False
 
-    probe = getattr(xla_bridge, "backends_are_initialized", None)
-    return bool(probe()) if probe is not None else bool(getattr(xla_bridge, "_backends", {}))
+
+# Whether JAX has made its devices already (after that, distributed start is refused). It
+# reads a JAX internal, so it lives with the others (jaxddp._collectives._jax.compat), and
+# `import jaxddp` sets it here before the world starts.
+backends_started: Callable[[], bool] = _never
 
 
 def _free_port() -> int:
@@ -52,7 +55,7 @@ def start(comm: Any, rank: int, size: int, *, one_node: bool) -> None:
     global _started
     if _started or size == 1:
         return
-    late = comm.allgather(_backends_started())
+    late = comm.allgather(backends_started())
     if any(late):
         ranks = ", ".join(str(r) for r, was in enumerate(late) if was)
         msg = (

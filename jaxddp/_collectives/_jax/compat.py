@@ -50,6 +50,7 @@ __all__ = [
     "abstract_token",
     "after_all",
     "apply_primitive",
+    "backends_started",
     "equation_frames",
     "is_jaxpr_trace",
     "jax_versions",
@@ -269,6 +270,14 @@ def mpi4jax_has_cuda() -> bool:
     from mpi4jax._src.xla_bridge import HAS_CUDA_EXT
 
     return bool(HAS_CUDA_EXT)
+
+
+def backends_started() -> bool:
+    """Whether JAX has made its devices (after that, JAX's distributed runtime cannot start)."""
+    from jax._src import xla_bridge
+
+    probe = getattr(xla_bridge, "backends_are_initialized", None)
+    return bool(probe()) if probe is not None else bool(getattr(xla_bridge, "_backends", {}))
 
 
 def silence_mpi4jax_version_warning() -> None:
