@@ -163,7 +163,8 @@ def init() -> World:
             if world.size > 1:
                 _streams.line_buffered()
             _install_abort_on_error(world)
-            if _settings.collectives() == "xla":  # agreed on every rank by World()
+            # agreed on every rank by World(); `jaxddp doctor` looks at JAX's devices first
+            if _settings.collectives() == "xla" and not _cli_is_starting():
                 _distributed.start(
                     world.py_comm, world.rank, world.size, one_node=world.local_size == world.size
                 )

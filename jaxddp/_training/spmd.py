@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .._base import progress as _progress
@@ -49,8 +50,9 @@ def spmd(fun: Callable[..., Any] | None = None, *, static_argnums: int | Sequenc
     (NCCL on GPUs); the results equal the MPI path's. See the XLA collectives page.
 
     Args:
-      fun: the step: arrays, pytrees of arrays and Flax NNX objects in (an NNX object is
-        updated in place, as with ``nnx.jit``), a pytree of arrays out. It may be jitted.
+      fun: the step: arrays, pytrees of arrays and Flax NNX objects in (an NNX object, a
+        positional argument, is updated in place, as with ``nnx.jit``), a pytree of arrays
+        out. It may be jitted.
       static_argnums: arguments that are not arrays (a flag, a size): hashable, part of
         what the step is compiled for.
 
@@ -94,7 +96,7 @@ class _Mapped:
         self._sharding: Any = None
         self._made: dict[int, tuple[Any, Any]] = {}  # the last results: id -> (mine, global)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _progress.note("a step of jaxddp.spmd")
         _, size, _, host_comm = channels(None)
         statics = tuple((i, args[i]) for i in self.statics)
@@ -107,7 +109,7 @@ class _Mapped:
 
             graphdef, state = nnx.split(objects)
             dynamic = [None if i in nodes else a for i, a in enumerate(dynamic)]
-        tree = {"args": dynamic, "nnx_state": state}  # its paths name what differs
+        tree = {"args": dynamic, "kwargs": kwargs, "nnx_state": state}  # paths name a difference
         leaves, treedef = jax.tree_util.tree_flatten(tree)
         if size > 1:
             _signature.check_call(
@@ -144,7 +146,7 @@ class _Mapped:
         def body(*blocks: Any) -> Any:
             leaves = [b.reshape(()) if r == 0 else b for b, r in zip(blocks, ranks, strict=True)]
             tree = jax.tree_util.tree_unflatten(treedef, leaves)
-            state, dynamic = tree["nnx_state"], tree["args"]
+            state, dynamic, kwargs = tree["nnx_state"], tree["args"], tree["kwargs"]
             objects: tuple[Any, ...] = ()
             if nodes:
                 from flax import nnx
@@ -156,13 +158,13 @@ class _Mapped:
             rest = iter(dynamic)
             args = [fixed[i] if i in fixed else next(rest) for i in range(count)]
             with _xla.bound(_xla.AXIS):
-                out = self.fun(*args)
+                out = self.fun(*args, **kwargs)
             new_state = None
             if nodes:
                 from flax import nnx
 
                 new_state = nnx.state(objects)
-            results = (out, new_state)
+            results = jax.tree_util.tree_map(jnp.asarray, (out, new_state))
             self._scalars[(statics, layout, count)] = [
                 x.ndim == 0 for x in jax.tree.leaves(results)
             ]

@@ -272,3 +272,13 @@ def test_checkpoints_background_and_sliced_save_and_resume_on_the_xla_path(tmp_p
     saved = {"params": params, "opt": opt_state}
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(restored), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_keyword_arguments_static_arguments_and_constant_results():
+    @jaxddp.spmd(static_argnums=1)
+    def step(x, scale, *, shift):
+        return {"y": jaxddp.allreduce(x * scale + shift, op="sum"), "const": 3}
+
+    out = step(jnp.float32(rank), 2, shift=jnp.float32(1.0))
+    assert float(out["y"]) == sum(2 * r + 1 for r in range(size))
+    assert int(out["const"]) == 3
