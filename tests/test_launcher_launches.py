@@ -288,14 +288,18 @@ def test_doctor_on_two_nodes_shows_the_handler_and_the_ranks_per_node():
 
 
 def test_doctor_under_hydra_pmi_port_is_good():
+    # with JAXDDP_COLLECTIVES=xla: the doctor says so, and does not start JAX's distributed
+    # runtime (it looks at JAX's devices before the world starts, which that start refuses)
     result = run(
         ["-m", "jaxddp", "doctor"],
         mpiexec=default_mpiexec(),
         python=sys.executable,
         launcher_args=("-pmi-port",),
+        JAXDDP_COLLECTIVES="xla",
     )
     assert result.ok, result.report()
     text = result.rank_logs["0"]
+    assert "JAXDDP_COLLECTIVES: xla (steps in jaxddp.spmd)" in text
     assert "MPI_LOCALNRANKS" in text
     assert "ranks (an MPI world of 2):" in text
     assert "verdict: ok (exit code 0)" in text
