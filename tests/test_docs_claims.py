@@ -8,7 +8,6 @@ from __future__ import annotations
 import inspect
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 import jaxddp
 from jaxddp._training.checkpoint import steps
+from tests.harness import fresh_python
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -130,13 +130,10 @@ def test_the_digits_accuracy_the_docs_state_is_what_the_example_prints():
     """One process with the global batch of the 2-rank demo (about 4 s): the figure
     getting-started and the README state for both; that 2 ranks reach the same accuracy
     as one process is tests/test_examples.py's (4 epochs, under mpiexec)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "jaxddp.examples.digits", "--batch-size", "64"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
+    done = fresh_python(
+        ["-m", "jaxddp.examples.digits", "--batch-size", "64"],
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        timeout=180,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     printed = _accuracy(done.stdout)

@@ -5,12 +5,10 @@ digits example reaches the same accuracy for the same global batch."""
 import os
 import re
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.harness import launch
+from tests.harness import fresh_python, launch
 
 pytestmark = pytest.mark.slow
 
@@ -54,15 +52,8 @@ def test_only_rank_0_reports(digits_on_two_ranks):
 
 
 def test_digits_without_a_launcher_matches_the_same_global_batch(digits_on_two_ranks):
-    command = [sys.executable, "-m", "jaxddp.examples.digits", "--epochs", EPOCHS]
-    done = subprocess.run(
-        [*command, "--batch-size", "64"],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    command = ["-m", "jaxddp.examples.digits", "--epochs", EPOCHS, "--batch-size", "64"]
+    done = fresh_python(command, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "digits on 1 rank," in done.stdout
     assert "model identical on all 1 ranks: yes" in done.stdout

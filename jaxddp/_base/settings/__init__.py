@@ -14,6 +14,7 @@ import math
 import os
 from collections.abc import Mapping
 
+from . import table
 from .table import (
     ABORT_ON_ERROR,
     CHECK,
@@ -22,7 +23,6 @@ from .table import (
     CUDA_AWARE_MPI,
     GPUS,
     NATIVE_ALLREDUCE,
-    SETTINGS,
     SHARED_ALLREDUCE,
     SKIP_LAUNCHER_CHECK,
     STALL_ABORT,
@@ -31,25 +31,13 @@ from .table import (
     Setting,
     SkipLevel,
 )
+from .table import (
+    SETTINGS as SETTINGS,
+)
 
 __all__ = [
-    "ABORT_ON_ERROR",
     "AGREED",
-    "CHECK",
-    "CHECK_TIMEOUT",
-    "COLLECTIVES",
-    "CUDA_AWARE_MPI",
-    "GPUS",
-    "NATIVE_ALLREDUCE",
-    "SETTINGS",
-    "SHARED_ALLREDUCE",
-    "SKIP_LAUNCHER_CHECK",
-    "STALL_ABORT",
-    "STALL_WARN",
-    "STARTUP_TIMEOUT",
-    "Setting",
     "SettingError",
-    "SkipLevel",
     "abort_on_error",
     "check_timeout",
     "check_trees",
@@ -65,6 +53,7 @@ __all__ = [
     "stall_warn",
     "startup_timeout",
 ]
+__all__ += table.__all__  # the records, re-exported
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
