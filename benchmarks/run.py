@@ -51,6 +51,7 @@ LABELS = {
 
 SECTIONS = (
     "allreduce", "peers", "step", "nnx-step", "eager", "sampler", "import", "checkpoint", "join",
+    "xla",
 )  # fmt: skip
 PEERS = frozenset({"jax_gloo", "jax_gloo_flat", "torch_gloo"})
 PATHS = ("fast", "ordered")  # values of JAXDDP_TEST_COLLECTIVE_PATH
@@ -59,7 +60,13 @@ TARGET_SYNC_IN_LIMITS = 3.0
 
 
 def mpi_run(
-    np_: int, script: str, args: list[str], timeout: float, path: str | None = None
+    np_: int,
+    script: str,
+    args: list[str],
+    timeout: float,
+    path: str | None = None,
+    *,
+    extra_env: dict[str, str] | None = None,
 ) -> None:
     # Each rank bound to a core (Open MPI's default; MPICH's mpiexec binds nothing unless
     # told): unbound ranks move between the two cores and their steps' spread grows, which
@@ -68,10 +75,11 @@ def mpi_run(
     # (benchmarks/results/HISTORY.md).
     command = [MPIEXEC, "-bind-to", "core", "-n", str(np_), sys.executable]
     command += [str(HERE / script), *args]
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     if path is not None:
         env["JAXDDP_TEST_COLLECTIVE_PATH"] = path
-    print("+", f"JAXDDP_TEST_COLLECTIVE_PATH={path}" if path else "", " ".join(command))
+    said = " ".join(f"{k}={v}" for k, v in (extra_env or {}).items())
+    print("+", f"JAXDDP_TEST_COLLECTIVE_PATH={path}" if path else said, " ".join(command))
     sys.stdout.flush()
     subprocess.run(command, check=True, timeout=timeout, cwd=ROOT, env=env)
 
@@ -183,6 +191,8 @@ def markdown(results: dict) -> str:
         parts += sharded_checkpoint_markdown(results["sharded-checkpoint"])
     if results.get("join"):
         parts += join_markdown(results["join"])
+    if results.get("xla"):
+        parts += xla_markdown(results["xla"])
     for step in results.get("step", []):
         parts += [
             f"## Train step, {step['ranks']} ranks",
@@ -442,6 +452,32 @@ def sharded_checkpoint_markdown(parts: list[dict]) -> list[str]:
 JOIN_TARGET_SHARE, JOIN_TARGET_S = 0.03, 50e-6  # at most 3% of the step and 50 us a step
 
 
+def xla_markdown(parts: list[dict]) -> list[str]:
+    lines = [
+        "## JAX's own collectives (`JAXDDP_COLLECTIVES=xla`) against the MPI path",
+        "",
+        (
+            "The same adam step in one launch: without sync, with `allreduce_gradients()` "
+            "under `jax.jit` (the MPI path), in `jaxddp.spmd` (XLA's collectives: gloo on "
+            "CPUs), and without sync in `jaxddp.spmd` (what the wrapping costs). See the XLA "
+            "collectives page."
+        ),
+        "",
+        "| ranks | JAX | model | no sync | MPI path | XLA path | XLA path, no sync | limit |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for part in parts:
+        for c in part["cases"]:
+            cells = [c[k] * 1e3 for k in ("without_sync_s", "mpi_s", "xla_s")]
+            cells += [c["xla_without_sync_s"] * 1e3, c["limit_s"] * 1e3]
+            lines.append(
+                f"| {part['ranks']} | {part['jax']} | {c['model']} | "
+                + " | ".join(f"{v:.2f} ms" for v in cells)
+                + " |"
+            )
+    return [*lines, ""]
+
+
 def join_markdown(parts: list[dict]) -> list[str]:
     lines = [
         "## Uneven streams: what `jaxddp.join` adds to a step",
@@ -654,6 +690,14 @@ def main() -> None:
             rounds = ["--rounds", "11" if args.quick else "31"]
             mpi_run(np_, "bench_join.py", [*rounds, "--out", str(part)], 600)
             results["join"].append(json.loads(part.read_text()))
+    if "xla" in sections:
+        results["xla"] = []
+        for np_ in (2,) if args.quick else (2, 4):
+            part = out / f"xla-np{np_}.json"
+            repeats = ["--repeats", "15" if args.quick else "41"]
+            xla = {"JAXDDP_COLLECTIVES": "xla"}
+            mpi_run(np_, "bench_xla.py", [*repeats, "--out", str(part)], 900, extra_env=xla)
+            results["xla"].append(json.loads(part.read_text()))
     sampler = HERE / "bench_sampler.py"
     if "sampler" in sections and sampler.exists():
         sampler_json = out / "sampler.json"
