@@ -29,6 +29,7 @@ import numpy as np
 from .._base import progress as _progress
 from .._base import settings as _settings
 from .._collectives import signature as _signature
+from .._collectives._jax import compat as _compat
 from .._collectives._jax import xla as _xla
 from .._collectives.api import channels
 from .._runtime import distributed as _distributed
@@ -76,12 +77,30 @@ def spmd(fun: Callable[..., Any] | None = None, *, static_argnums: int | Sequenc
     return _Mapped(fun, statics)
 
 
-def _graph_node(x: Any) -> bool:
+@functools.cache
+def _is_graph_node() -> Callable[[Any], bool]:
     try:
         from flax.nnx import graph
     except ImportError:  # no flax: no NNX objects
-        return False
-    return bool(graph.is_graph_node(x))
+        return lambda x: False
+    return graph.is_graph_node
+
+
+class _Slot:
+    """Where the ``k``-th NNX object stood in the arguments: a pytree node of no leaves."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+
+jax.tree_util.register_pytree_node(_Slot, lambda s: ((), s.k), lambda k, _: _Slot(k))
+
+
+def _is_slot(x: Any) -> bool:
+    return isinstance(x, _Slot)
+
+
+_WEAK = (bool, int, float, complex)  # Python numbers: weakly typed under jit, here too
 
 
 class _Mapped:
@@ -91,87 +110,125 @@ class _Mapped:
         self.fun = fun
         self.statics = statics
         functools.update_wrapper(self, fun)
-        self._run = jax.jit(self._mapped, static_argnums=(0, 1, 2))
+        self._run = jax.jit(self._mapped, static_argnums=0)
         self._scalars: dict[Any, list[bool]] = {}  # per compiled form: the scalar results
         self._sharding: Any = None
         self._made: dict[int, tuple[Any, Any]] = {}  # the last results: id -> (mine, global)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _progress.note("a step of jaxddp.spmd")
-        _, size, _, host_comm = channels(None)
         statics = tuple((i, args[i]) for i in self.statics)
         dynamic = [a for i, a in enumerate(args) if i not in self.statics]
-        nodes = tuple(i for i, a in enumerate(dynamic) if _graph_node(a))
+        # NNX objects wherever they stand (positional, keyword, in a container): their state
+        # travels, a slot marks their place, and they are updated in place afterwards
+        flat, outer = jax.tree_util.tree_flatten((dynamic, kwargs), is_leaf=_is_graph_node())
+        objects = tuple(x for x in flat if _is_graph_node()(x))
         graphdef, state = None, None
-        objects = tuple(dynamic[i] for i in nodes)
-        if nodes:
+        if objects:
             from flax import nnx
 
             graphdef, state = nnx.split(objects)
-            dynamic = [None if i in nodes else a for i, a in enumerate(dynamic)]
+            slots = iter(range(len(objects)))
+            flat = [_Slot(next(slots)) if _is_graph_node()(x) else x for x in flat]
+            dynamic, kwargs = jax.tree_util.tree_unflatten(outer, flat)
         tree = {"args": dynamic, "kwargs": kwargs, "nnx_state": state}  # paths name a difference
         leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            if _xla.axis() is not None:  # inside another spmd step: already mapped
+                return self.fun(*args, **kwargs)
+            msg = (
+                "jaxddp.spmd must be the outermost transformation: its step was called with "
+                "traced values (inside jax.jit, jax.grad or jax.vmap). Put those inside the "
+                "step, and call the wrapped step with arrays."
+            )
+            raise TypeError(msg)
+        _, size, _, host_comm = channels(None)
         if size > 1:
             _signature.check_call(
                 host_comm, "jaxddp.spmd", what=_WHAT, traced=False, tree=tree,
                 flat=(leaves, treedef),
             )  # fmt: skip
+        if all(np.size(x) == 0 for x in leaves):  # no rank holds data: nothing to map
+            return jax.jit(self.fun, static_argnums=self.statics)(*args, **kwargs)
         if self._sharding is None:
             mesh = _distributed.mesh()
             self._sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(_xla.AXIS))
         made = self._made
         blocks = [_block(x, made, self._sharding, size) for x in leaves]
-        layout = (treedef, tuple([np.ndim(x) for x in leaves]), nodes, graphdef)
-        results = self._run(statics, layout, len(args), *blocks)
-        scalars = self._scalars[(statics, layout, len(args))]
+        kinds = tuple([(np.ndim(x), type(x) in _WEAK) for x in leaves])
+        layout = (statics, treedef, kinds, len(args), graphdef)
+        results = self._run(layout, *blocks)
+        avals = tuple([(b.shape, b.dtype) for b in blocks])
+        scalars = self._scalars[(layout, avals)]
         flat, out_treedef = jax.tree_util.tree_flatten(results)
         mine = [_local(g, scalar) for g, scalar in zip(flat, scalars, strict=True)]
         # the next call's arguments are mostly these results (the state, fed back): their
         # global arrays are taken as they are, instead of being made again
         self._made = {id(x): (x, g) for x, g in zip(mine, flat, strict=True)}
         out, new_state = jax.tree_util.tree_unflatten(out_treedef, mine)
-        if nodes:
+        if objects:
             from flax import nnx
 
             nnx.update(objects, new_state)
         return out
 
-    def _mapped(
-        self, statics: tuple[tuple[int, Any], ...], layout: Any, count: int, *blocks: Any
-    ) -> Any:
-        treedef, ranks, nodes, graphdef = layout
+    def _mapped(self, layout: Any, *blocks: Any) -> Any:
+        statics, treedef, kinds, count, graphdef = layout
         mesh = _distributed.mesh()
         spec = jax.sharding.PartitionSpec(_xla.AXIS)
+        avals = tuple([(b.shape, b.dtype) for b in blocks])
 
         def body(*blocks: Any) -> Any:
-            leaves = [b.reshape(()) if r == 0 else b for b, r in zip(blocks, ranks, strict=True)]
+            leaves = [
+                _compat.weaken(b.reshape(()) if rank == 0 else b) if weak else
+                (b.reshape(()) if rank == 0 else b)
+                for b, (rank, weak) in zip(blocks, kinds, strict=True)
+            ]  # fmt: skip
             tree = jax.tree_util.tree_unflatten(treedef, leaves)
-            state, dynamic, kwargs = tree["nnx_state"], tree["args"], tree["kwargs"]
             objects: tuple[Any, ...] = ()
-            if nodes:
+            dynamic, kwargs = tree["args"], tree["kwargs"]
+            if graphdef is not None:
                 from flax import nnx
 
-                objects = nnx.merge(graphdef, state)
-                for i, obj in zip(nodes, objects, strict=True):
-                    dynamic[i] = obj
+                objects = nnx.merge(graphdef, tree["nnx_state"])
+                dynamic, kwargs = jax.tree_util.tree_map(
+                    lambda x: objects[x.k] if _is_slot(x) else x,
+                    (dynamic, kwargs),
+                    is_leaf=_is_slot,
+                )
             fixed = dict(statics)
             rest = iter(dynamic)
             args = [fixed[i] if i in fixed else next(rest) for i in range(count)]
             with _xla.bound(_xla.AXIS):
                 out = self.fun(*args, **kwargs)
+            _end_of_trace()
             new_state = None
-            if nodes:
+            if graphdef is not None:
                 from flax import nnx
 
                 new_state = nnx.state(objects)
             results = jax.tree_util.tree_map(jnp.asarray, (out, new_state))
-            self._scalars[(statics, layout, count)] = [
-                x.ndim == 0 for x in jax.tree.leaves(results)
-            ]
+            self._scalars[(layout, avals)] = [x.ndim == 0 for x in jax.tree.leaves(results)]
             return jax.tree_util.tree_map(_as_block, results)
 
         mapped = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)
         return mapped(*blocks)
+
+
+def _end_of_trace() -> None:
+    """The ranks agree that their steps' traces end here: where one rank's step calls a
+    collective more (a branch on the rank), that collective's check meets this one on the
+    other ranks, and every rank raises TreeMismatchError instead of waiting in the step."""
+    _, size, _, host_comm = channels(None)
+    if size == 1 or not _signature.enabled():
+        return
+    _signature.agree(
+        host_comm,
+        ("jaxddp.spmd", "end"),
+        lambda: ("the end of the step wrapped in `jaxddp.spmd`", None, None, []),
+        what="collectives of the step wrapped in `jaxddp.spmd`",
+        traced=True,
+    )
 
 
 def _block(x: Any, made: dict[int, tuple[Any, Any]], sharding: Any, size: int) -> Any:
@@ -179,7 +236,7 @@ def _block(x: Any, made: dict[int, tuple[Any, Any]], sharding: Any, size: int) -
     scalar becomes one element of a vector), its buffer used as it is. A result of the last
     call (``made``) comes with its global array already."""
     found = made.get(id(x))
-    if found is not None and found[0] is x:
+    if found is not None and found[0] is x and not x.is_deleted():
         return found[1]
     device = sharding.mesh.devices.flat[jax.process_index()]
     if not (isinstance(x, jax.Array) and x.committed and x.devices() == {device}):

@@ -282,3 +282,57 @@ def test_keyword_arguments_static_arguments_and_constant_results():
     out = step(jnp.float32(rank), 2, shift=jnp.float32(1.0))
     assert float(out["y"]) == sum(2 * r + 1 for r in range(size))
     assert int(out["const"]) == 3
+
+
+def test_nnx_objects_by_keyword_or_in_a_container_are_updated_as_nnx_jit_does():
+    def run(wrap, how):
+        model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(
+            model, optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.5)), wrt=nnx.Param
+        )
+
+        @nnx.jit
+        def step(pair, x):
+            model, optimizer = pair
+
+            def loss_fn(m):
+                return jnp.mean((m(x) - 1.0) ** 2)
+
+            loss, grads = nnx.value_and_grad(loss_fn)(model)
+            optimizer.update(model, grads)
+            return loss
+
+        run_step = wrap(step)
+        for k in range(3):
+            x = jnp.full((2, 3), float(rank + k))
+            if how == "keyword":
+                run_step(pair=(model, optimizer), x=x)
+            else:
+                run_step((model, optimizer), x)
+        return np.asarray(model.kernel[...])
+
+    for how in ("keyword", "container"):
+        np.testing.assert_allclose(run(jaxddp.spmd, how), run(lambda f: f, how), rtol=1e-6)
+
+
+def test_python_numbers_stay_weakly_typed_and_result_shapes_follow_the_inputs():
+    step = jaxddp.spmd(lambda x, s: jnp.squeeze(jaxddp.allreduce(x * s, op="sum")))
+    out = step(jnp.ones(2, jnp.bfloat16), 0.5)
+    assert out.dtype == jnp.bfloat16  # a Python float does not promote, as under jax.jit
+    for n in (1, 4, 1, 4):  # (1,) squeezes to a scalar, (4,) does not: each its own shape
+        assert step(jnp.ones(n), 1.0).shape == jax.jit(jnp.squeeze)(jnp.ones(n)).shape
+
+
+def test_a_collective_on_one_rank_only_raises_on_every_rank_and_spmd_must_be_outermost():
+    def extra(x):
+        y = jaxddp.allreduce(x, op="sum")
+        if jaxddp.rank() == 0:  # a branch on the rank: one more collective on rank 0
+            y = y + jaxddp.allreduce(x, op="max")
+        return y
+
+    with pytest.raises(TreeMismatchError, match=r"the end of the step wrapped in `jaxddp\.spmd`"):
+        jaxddp.spmd(extra)(jnp.ones(2))
+    inner = jaxddp.spmd(lambda x: x * 2)
+    with pytest.raises(TypeError, match="must be the outermost transformation"):
+        jax.jit(inner)(jnp.ones(2))
+    assert float(jaxddp.spmd(jnp.sum)(jnp.zeros((0, 3)))) == 0.0  # no data at all

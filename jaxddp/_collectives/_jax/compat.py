@@ -68,6 +68,7 @@ __all__ = [
     "silence_mpi4jax_version_warning",
     "unverified_reason",
     "warn_if_unverified",
+    "weaken",
 ]
 
 # (major, minor) of the JAX releases whose fast path the test suite established, and the
@@ -270,6 +271,13 @@ def mpi4jax_has_cuda() -> bool:
     from mpi4jax._src.xla_bridge import HAS_CUDA_EXT
 
     return bool(HAS_CUDA_EXT)
+
+
+def weaken(x: Any) -> Any:
+    """``x`` weakly typed, as JAX types a Python number passed to a jitted function."""
+    from jax._src.lax import lax as lax_internal
+
+    return lax_internal._convert_element_type(x, weak_type=True)
 
 
 def backends_started() -> bool:
