@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import Tracer
 
 from .._base import progress as _progress
 from .._base import settings as _settings
@@ -133,7 +134,7 @@ class _Mapped:
             dynamic, kwargs = jax.tree_util.tree_unflatten(outer, flat)
         tree = {"args": dynamic, "kwargs": kwargs, "nnx_state": state}  # paths name a difference
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+        if any(isinstance(x, Tracer) for x in leaves):
             if _xla.axis() is not None:  # inside another spmd step: already mapped
                 return self.fun(*args, **kwargs)
             msg = (
