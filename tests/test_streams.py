@@ -91,9 +91,14 @@ threading.Thread(target=printer, daemon=True).start()
 time.sleep(0.3)
 streams.hold()
 assert streams.wait_until_read(5)
-printed = os.fstat(truth).st_size
-time.sleep(0.3)  # the printer waits in its write
-assert os.fstat(truth).st_size == printed, "a line was printed while the output was held"
+# The printer waits in its write: what it records stops growing. Not at once: a print that
+# returned just before the hold is recorded a moment later (the thread may lose the GIL
+# between the two), so a record after the hold is no proof; records for 5 s are.
+deadline, size = time.time() + 5, -1
+while os.fstat(truth).st_size != size:
+    assert time.time() < deadline, "lines were printed while the output was held"
+    size = os.fstat(truth).st_size
+    time.sleep(0.3)
 os.kill(os.getpid(), signal.SIGKILL)  # as an abort ends a held rank
 """
 
