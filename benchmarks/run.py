@@ -459,20 +459,25 @@ def xla_markdown(parts: list[dict]) -> list[str]:
         (
             "The same adam step in one launch: without sync, with `allreduce_gradients()` "
             "under `jax.jit` (the MPI path), in `jaxddp.spmd` (XLA's collectives: gloo on "
-            "CPUs), and without sync in `jaxddp.spmd` (what the wrapping costs). See the XLA "
-            "collectives page."
+            "CPUs), and without sync in `jaxddp.spmd` (what the wrapping costs). See the "
+            "[XLA collectives](../xla.md) page."
         ),
         "",
-        "| ranks | JAX | model | no sync | MPI path | XLA path | XLA path, no sync | limit |",
-        "|---|---|---|---|---|---|---|---|",
+        (
+            "| ranks | JAX | model | no sync | MPI path | XLA path | XLA path, no sync | limit "
+            "| MPI path / no sync | XLA path / MPI path |"
+        ),
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for part in parts:
         for c in part["cases"]:
             cells = [c[k] * 1e3 for k in ("without_sync_s", "mpi_s", "xla_s")]
             cells += [c["xla_without_sync_s"] * 1e3, c["limit_s"] * 1e3]
+            ratios = (c["mpi_s"] / c["without_sync_s"], c["xla_s"] / c["mpi_s"])
             lines.append(
                 f"| {part['ranks']} | {part['jax']} | {c['model']} | "
                 + " | ".join(f"{v:.2f} ms" for v in cells)
+                + "".join(f" | {r:.2f}x" for r in ratios)
                 + " |"
             )
     return [*lines, ""]

@@ -84,6 +84,25 @@ def test_the_first_screens_costs_are_the_benchmarks_pages(page):
     assert by_tool["JAX's own `jax.distributed` (gloo)"] == [_figures(r)[0] for r in jax_own]
 
 
+def test_the_xla_pages_costs_are_the_all_results_pages():
+    """docs/xla.md's table repeats the run that benchmarks/run.py wrote on the All results
+    page: the same milliseconds and ratios, row by row (the page orders its columns for
+    reading: model and ranks first)."""
+
+    def by_row(rows: list[str], model: int, ranks: int) -> dict:
+        cells = [[c.strip() for c in row.split("|")[1:-1]] for row in rows]
+        return {
+            (c[model], c[ranks]): (_figures(row)[:4], re.findall(r"\d+\.\d+x", row))
+            for c, row in zip(cells, rows, strict=True)
+        }
+
+    page = _table_rows(_read(DOCS / "xla.md"), "## What it costs on a CPU")
+    results = _table_rows(_read(DOCS / "benchmarks" / "results.md"), "## JAX's own collectives")
+    mine, theirs = by_row(page, 0, 1), by_row(results, 2, 0)
+    assert len(mine) == 6
+    assert mine == theirs
+
+
 def test_the_errors_page_quotes_the_missing_orbax_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "orbax.checkpoint", None)  # as if not installed
     with pytest.raises(ImportError) as info:
