@@ -7,8 +7,8 @@ size (and an environment variant, and a ``MPI_GROUP``) share one launch, made by
 of their items to run: every rank runs pytest on all of them and writes its own JUnit XML,
 and logs a line as each test starts and ends. A test passes only when every rank's own
 pytest says it passed; a skip counts only when every rank skipped it. A hang is caught by the
-harness's watchdog (no rank's log grew for ``JAXDDP_TEST_TIMEOUT`` seconds, 120 by default)
-and reported with every rank's stack as "deadlock suspected", naming the test each rank was
+harness's watchdog (no rank's log grew for ``JAXDDP_TEST_TIMEOUT`` seconds, 120 by default,
+counted from the ranks' first line: their start may take ``START_LIMIT`` seconds) and reported with every rank's stack as "deadlock suspected", naming the test each rank was
 in; the modules of the launch that had finished on every rank before it keep their results.
 
 ``MPI_VARIANTS = {"name": {"VARIABLE": "value"}}`` launches the module once more per variant,
@@ -62,6 +62,7 @@ DEFAULT_SIZES = (2, 4)
 # The launch the fast lane (``-m "not slow"``) keeps: 2 ranks, no variant, no MPI_GROUP.
 # Every other launch's items carry the ``slow`` marker.
 FAST_SIZE = 2
+START_LIMIT = 120.0  # seconds a launch's ranks may take to write their first line
 SIZES_VARIABLE = "JAXDDP_TEST_NP"  # e.g. "2" or "2,4": restricts the world sizes run
 # What each rank writes to its log as a test starts and ends (see pytest_runtest_logstart).
 _STARTS, _ENDS = "jaxddp test harness: start ", "jaxddp test harness: end "
@@ -237,6 +238,9 @@ class MPIRun:
                 env={**os.environ, **with_stand_in(self.env)} if self.env else None,
                 timeout=per_test * max(tests, 1),
                 quiet=per_test,
+                # the ranks' start (pytest, JAX, jaxddp, collection) is not a hang: 20-40 s
+                # on a loaded machine (docs/testing.md), more than a short test limit
+                start=max(per_test, START_LIMIT),
                 # no test here tests the stall inspector (test_stall.py does): waits that
                 # sleep and unoptimized code halve a launch on 2 cores (docs/testing.md)
                 quick=True,

@@ -25,8 +25,18 @@ def test_a_rank_that_raises_ends_the_whole_job():
 
 def test_without_the_abort_the_same_job_hangs():
     env = dict(os.environ, JAXDDP_ABORT_ON_ERROR="0")
-    result = launch([str(SCRIPTS / "raise_mid_training.py")], 2, timeout=12, env=env, quick=True)
+    # Ended 10 s after the last line (rank 1's traceback): the ranks may take 100 s to start.
+    result = launch(
+        [str(SCRIPTS / "raise_mid_training.py")],
+        2,
+        timeout=120,
+        quiet=10,
+        start=100,
+        env=env,
+        quick=True,
+    )
     assert result.timed_out, result.report()
+    assert result.elapsed < 100, result.report()  # by the quiet limit, not the backstop
     assert "deadlock suspected" in result.report()
     assert "boom at step 3" in result.rank_logs["1"]
 

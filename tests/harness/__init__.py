@@ -184,11 +184,20 @@ def _log_sizes(directory: Path) -> tuple[int, ...]:
 
 
 def _wait(
-    proc: subprocess.Popen[str], directory: Path, deadline: float, quiet: float | None
+    proc: subprocess.Popen[str],
+    directory: Path,
+    deadline: float,
+    quiet: float | None,
+    started: float | None = None,
 ) -> str | None:
     """Waits for the job and returns the launcher's output; None when the job ran past
-    ``deadline``, or (with ``quiet``) when no rank's log grew for ``quiet`` seconds."""
-    sizes, grew = _log_sizes(directory), time.monotonic()
+    ``deadline``, or (with ``quiet``) when no rank's log grew for ``quiet`` seconds, counted
+    from the launch; with ``started``, from the logs' first text, and ``started`` is the
+    latest moment for it."""
+    sizes = _log_sizes(directory)
+    grew = time.monotonic()
+    if started is not None and quiet is not None:
+        grew = started - quiet  # no text by ``started``: hung
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -202,7 +211,9 @@ def _wait(
         if quiet is not None:
             now = _log_sizes(directory)
             if now != sizes:
-                sizes, grew = now, time.monotonic()
+                sizes = now
+                if any(now):  # their text, not their creation
+                    grew = time.monotonic()
             elif time.monotonic() - grew >= quiet:
                 return None
 
@@ -219,6 +230,7 @@ def launch(
     cwd: str | Path | None = None,
     directory: str | Path | None = None,
     quiet: float | None = None,
+    start: float | None = None,
     compile_cache: bool = True,
     quick: bool = False,
     optimized: bool = False,
@@ -229,6 +241,10 @@ def launch(
     temporary folder by default). ``quiet``, when given, also ends the job as hung once no
     rank's log has grown for that many seconds (a long job of many short steps, each of
     which writes a line, gets a generous ``timeout`` and a short ``quiet``).
+    With ``start`` too, that count begins when a rank's log first grows, and a job whose
+    ranks wrote nothing in ``start`` seconds is hung: their start (imports, ``MPI_Init``:
+    seconds, several times more on a loaded machine) gets ``start`` seconds, and a job that
+    prints, then hangs, ends ``quiet`` seconds after its last line.
     ``compile_cache=False`` keeps the ranks off the suite's compilation cache
     (``COMPILE_CACHE_VARIABLE``): a test that reads XLA's compile log. ``quick=True`` runs
     the ranks with :func:`quick_env`: for jobs that do not test the stall inspector and are
@@ -261,7 +277,7 @@ def launch(
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if quick:
         full_env = quick_env(full_env, optimized=optimized)
-    start = time.monotonic()
+    begun = time.monotonic()
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -272,12 +288,12 @@ def launch(
         cwd=cwd,
         start_new_session=True,
     )
-    output = _wait(proc, outdir, start + timeout, quiet)
+    output = _wait(proc, outdir, begun + timeout, quiet, None if start is None else begun + start)
     timed_out = output is None
     if timed_out:
         _ask_for_stacks_and_kill(proc, outdir)
         output, _ = proc.communicate()
-    elapsed = time.monotonic() - start
+    elapsed = time.monotonic() - begun
     exits = {r: int(code) for r, code in _read_rank_files(outdir, ".exit").items() if code.strip()}
     logs = _read_rank_files(outdir, ".log")
     if owned:

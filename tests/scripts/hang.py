@@ -15,6 +15,7 @@ def never_joins():
     time.sleep(3600)
 
 
+print(f"rank {jaxddp.rank()} starts its hang", flush=True)
 if jaxddp.rank() == 0:
     wait_for_the_others()
 else:
