@@ -60,7 +60,7 @@ def test_two_processes_printing_into_one_pipe_never_merge_two_lines(unbuffered):
         streams.line_buffered()
         time.sleep(max(0, START - time.time()))
         i = 0
-        while time.time() < START + 0.5:
+        while time.time() < START + 0.5 or i <= 100:  # a child started late still prints
             print(f"child {CHILD} line {i} " + "x" * 200)
             i += 1
         """,
@@ -79,26 +79,32 @@ HOLD_WHILE_PRINTING = """
 streams.line_buffered()
 truth = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
 
+returned = 0
+
 def printer():
-    i = 0
+    global returned
     while True:
-        print(f"child {CHILD} line {i} " + "x" * 200)
-        os.write(truth, b"%d\\n" % i)  # print returned: the line is printed
-        i += 1
+        print(f"child {CHILD} line {returned} " + "x" * 200)
+        os.write(truth, b"%d\\n" % returned)  # print returned: the line is printed
+        returned += 1
         time.sleep(0.0001)
 
 threading.Thread(target=printer, daemon=True).start()
-time.sleep(0.3)
+deadline = time.time() + 30
+while returned <= 150:  # printing steadily when the hold comes
+    assert time.time() < deadline, "the printer did not print 150 lines in 30 s"
+    time.sleep(0.01)
 streams.hold()
 assert streams.wait_until_read(5)
 # The printer waits in its write: what it records stops growing. Not at once: a print that
 # returned just before the hold is recorded a moment later (the thread may lose the GIL
-# between the two), so a record after the hold is no proof; records for 5 s are.
-deadline, size = time.time() + 5, -1
-while os.fstat(truth).st_size != size:
+# between the two), so a record after the hold is no proof; records for 5 s are. Stopped
+# means the same size at three looks 0.3 s apart.
+deadline, sizes = time.time() + 5, [-1]
+while sizes[-3:] != [sizes[-1]] * 3:
     assert time.time() < deadline, "lines were printed while the output was held"
-    size = os.fstat(truth).st_size
     time.sleep(0.3)
+    sizes.append(os.fstat(truth).st_size)
 os.kill(os.getpid(), signal.SIGKILL)  # as an abort ends a held rank
 """
 
