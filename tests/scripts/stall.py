@@ -116,7 +116,7 @@ def wait_for_a_moving_write(seconds):
 
         start = time.monotonic()
         assert background.Write(1, write, folder, lambda e: "other").wait() is None
-        print(f"waited {time.monotonic() - start:.0f} s for a moving write", flush=True)
+        print(f"waited {time.monotonic() - start:.1f} s for a moving write", flush=True)
         shutil.rmtree(folder)
     MPI.COMM_WORLD.bcast(None)
 
