@@ -41,12 +41,22 @@ def _watched(work):
     return wakes, seconds, polling
 
 
+def _watched_busy(work):
+    """:func:`_watched` for a thread meant to wake as often as a polling one: again (at most
+    five times) while a loaded machine woke it less, since the reading depends on its rate."""
+    for _ in range(5):
+        wakes, seconds, polling = _watched(work)
+        if wakes > POLLING_WAKES_PER_SECOND * seconds:
+            break
+    return wakes, seconds, polling
+
+
 def test_a_thread_that_sleeps_in_short_turns_is_polling():
     def turns(stop):
         while not stop.is_set():
             time.sleep(0.0001)  # clock_nanosleep, as MPICH's heavy yield in a collective
 
-    wakes, seconds, polling = _watched(turns)
+    wakes, seconds, polling = _watched_busy(turns)
     assert wakes > POLLING_WAKES_PER_SECOND * seconds
     assert polling
 
@@ -67,7 +77,7 @@ def test_a_thread_woken_by_results_that_keep_coming_is_not_polling():
     feeding = threading.Event()
     threading.Thread(target=feeder, args=(feeding,), daemon=True).start()
     try:
-        wakes, seconds, polling = _watched(waits)
+        wakes, seconds, polling = _watched_busy(waits)
     finally:
         feeding.set()
     assert wakes > POLLING_WAKES_PER_SECOND * seconds  # as many wakes as the polling thread's
