@@ -56,7 +56,10 @@ def test_a_thread_that_sleeps_in_short_turns_is_polling():
         while not stop.is_set():
             time.sleep(0.0001)  # clock_nanosleep, as MPICH's heavy yield in a collective
 
-    wakes, seconds, polling = _watched_busy(turns)
+    for _ in range(5):  # a loaded machine may wake it less, or see it in another call
+        wakes, seconds, polling = _watched(turns)
+        if polling:
+            break
     assert wakes > POLLING_WAKES_PER_SECOND * seconds
     assert polling
 
