@@ -8,8 +8,9 @@ of their items to run: every rank runs pytest on all of them and writes its own 
 and logs a line as each test starts and ends. A test passes only when every rank's own
 pytest says it passed; a skip counts only when every rank skipped it. A hang is caught by the
 harness's watchdog (no rank's log grew for ``JAXDDP_TEST_TIMEOUT`` seconds, 120 by default,
-counted from the ranks' first line: their start may take ``START_LIMIT`` seconds) and reported with every rank's stack as "deadlock suspected", naming the test each rank was
-in; the modules of the launch that had finished on every rank before it keep their results.
+counted from the ranks' first line: their start may take ``START_LIMIT`` seconds) and
+reported with every rank's stack as "deadlock suspected", naming the test each rank was in;
+the modules of the launch that had finished on every rank before it keep their results.
 
 ``MPI_VARIANTS = {"name": {"VARIABLE": "value"}}`` launches the module once more per variant,
 with those variables set, at every world size it runs at, or at those that

@@ -41,14 +41,19 @@ def _watched(work):
     return wakes, seconds, polling
 
 
-def _watched_busy(work):
-    """:func:`_watched` for a thread meant to wake as often as a polling one: again (at most
-    five times) while a loaded machine woke it less, since the reading depends on its rate."""
+def _watched_until(work, enough):
+    """:func:`_watched` again (at most five times) until ``enough(wakes, seconds, polling)``:
+    for a thread meant to wake as often as a polling one, which a loaded machine may wake
+    less, or read in another call."""
     for _ in range(5):
         wakes, seconds, polling = _watched(work)
-        if wakes > POLLING_WAKES_PER_SECOND * seconds:
+        if enough(wakes, seconds, polling):
             break
     return wakes, seconds, polling
+
+
+def _busy(wakes, seconds, polling):
+    return wakes > POLLING_WAKES_PER_SECOND * seconds
 
 
 def test_a_thread_that_sleeps_in_short_turns_is_polling():
@@ -56,10 +61,7 @@ def test_a_thread_that_sleeps_in_short_turns_is_polling():
         while not stop.is_set():
             time.sleep(0.0001)  # clock_nanosleep, as MPICH's heavy yield in a collective
 
-    for _ in range(5):  # a loaded machine may wake it less, or see it in another call
-        wakes, seconds, polling = _watched(turns)
-        if polling:
-            break
+    wakes, seconds, polling = _watched_until(turns, lambda *reading: reading[2])
     assert wakes > POLLING_WAKES_PER_SECOND * seconds
     assert polling
 
@@ -80,7 +82,7 @@ def test_a_thread_woken_by_results_that_keep_coming_is_not_polling():
     feeding = threading.Event()
     threading.Thread(target=feeder, args=(feeding,), daemon=True).start()
     try:
-        wakes, seconds, polling = _watched_busy(waits)
+        wakes, seconds, polling = _watched_until(waits, _busy)
     finally:
         feeding.set()
     assert wakes > POLLING_WAKES_PER_SECOND * seconds  # as many wakes as the polling thread's
