@@ -29,6 +29,8 @@ def test_watchdog_turns_a_hang_into_a_failure_with_stacks():
     assert result.timed_out
     assert not result.ok
     assert result.elapsed < 100  # by the quiet limit, not the backstop
+    assert result.first_text is not None  # their lines
+    assert 8 <= result.after_first_text < 30, result.report()  # and the quiet 8 s after
     report = result.report()
     assert "deadlock suspected" in report
     assert set(result.rank_logs) == {"0", "1"}

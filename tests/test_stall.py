@@ -288,7 +288,7 @@ def test_a_rank_that_exits_1_ends_the_job_at_once(np):
     log = result.rank_logs[str(np - 1)]
     assert f"called sys.exit(1) at tests/scripts/stall.py:{line_of('exit1')}" in log
     assert "aborting every rank with MPI_Abort" in log
-    assert result.elapsed < 30, result.report()
+    assert result.after_first_text < 30, result.report()  # their start not counted
     assert "==== jaxddp stall report" not in result.rank_logs["0"]
 
 

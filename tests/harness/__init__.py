@@ -120,6 +120,7 @@ class LaunchResult:
     timed_out: bool
     elapsed: float
     output: str
+    first_text: float | None = None
     rank_logs: dict[str, str] = field(default_factory=dict)
     rank_exits: dict[str, int] = field(default_factory=dict)
     directory: Path | None = None
@@ -127,6 +128,13 @@ class LaunchResult:
     @property
     def ok(self) -> bool:
         return not self.timed_out and self.returncode == 0
+
+    @property
+    def after_first_text(self) -> float:
+        """Seconds from the ranks' first text to the job's end: a bound on how fast a job
+        ends that its ranks' start (seconds, several times more on a loaded machine) does not
+        count in. The whole ``elapsed`` when no rank wrote anything."""
+        return self.elapsed - (self.first_text or 0.0)
 
     def failed_ranks(self) -> list[str]:
         return sorted(r for r, code in self.rank_exits.items() if code != 0)
@@ -189,33 +197,36 @@ def _wait(
     deadline: float,
     quiet: float | None,
     started: float | None = None,
-) -> str | None:
-    """Waits for the job and returns the launcher's output; None when the job ran past
-    ``deadline``, or (with ``quiet``) when no rank's log grew for ``quiet`` seconds, counted
+) -> tuple[str | None, float | None]:
+    """Waits for the job and returns the launcher's output (None when the job ran past
+    ``deadline``, or, with ``quiet``, when no rank's log grew for ``quiet`` seconds, counted
     from the launch; with ``started``, from the logs' first text, and ``started`` is the
-    latest moment for it."""
+    latest moment for it) and the moment a rank's log first held text (None: never)."""
     sizes = _log_sizes(directory)
     grew = time.monotonic()
     if started is not None and quiet is not None:
         grew = started - quiet  # no text by ``started``: hung
+    first = None
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            return None
+            return None, first
         try:
-            output, _ = proc.communicate(timeout=left if quiet is None else min(left, 1.0))
+            output, _ = proc.communicate(timeout=min(left, 0.5))
         except subprocess.TimeoutExpired:  # communicate() may be called again
             pass
         else:
-            return output
-        if quiet is not None:
-            now = _log_sizes(directory)
-            if now != sizes:
-                sizes = now
-                if any(now):  # their text, not their creation
-                    grew = time.monotonic()
-            elif time.monotonic() - grew >= quiet:
-                return None
+            if first is None and any(_log_sizes(directory)):
+                first = time.monotonic()  # all of it written within the last look
+            return output, first
+        now = _log_sizes(directory)
+        if now != sizes:
+            sizes = now
+            if any(now):  # their text, not their creation
+                grew = time.monotonic()
+                first = grew if first is None else first
+        elif quiet is not None and time.monotonic() - grew >= quiet:
+            return None, first
 
 
 def launch(
@@ -288,7 +299,9 @@ def launch(
         cwd=cwd,
         start_new_session=True,
     )
-    output = _wait(proc, outdir, begun + timeout, quiet, None if start is None else begun + start)
+    output, first = _wait(
+        proc, outdir, begun + timeout, quiet, None if start is None else begun + start
+    )
     timed_out = output is None
     if timed_out:
         _ask_for_stacks_and_kill(proc, outdir)
@@ -305,6 +318,7 @@ def launch(
         timed_out=timed_out,
         elapsed=elapsed,
         output=output or "",
+        first_text=None if first is None else first - begun,
         rank_logs=logs,
         rank_exits=exits,
         directory=None if owned else outdir,
