@@ -249,12 +249,13 @@ def test_a_call_on_rank_0_alone_raises_there_naming_the_call_and_the_others(
     # `if rank == 0: ckpt.latest_step()` returned on rank 0 (its broadcast left unmatched,
     # for another rank's next call to receive); `save` waited in the tree check and raised
     # a TimeoutError naming neither the call nor the ranks.
-    monkeypatch.setenv("JAXDDP_CHECK_TIMEOUT", "2")
     with jaxddp.CheckpointManager(directory) as ckpt:
         if rank == 0:
             calls = {"latest_step": ckpt.latest_step, "save": lambda: ckpt.save(1, {"w": 1.0})}
-            with pytest.raises(TimeoutError) as info:
-                calls[call]()
+            with monkeypatch.context() as patch:
+                patch.setenv("JAXDDP_CHECK_TIMEOUT", "2")  # the wait in vain alone is short
+                with pytest.raises(TimeoutError) as info:
+                    calls[call]()
             absent = "rank 1, which has" if size == 2 else "ranks 1, 2 and 3, which have"
             assert f"CheckpointManager.{call} waited 2 s on rank 0 for {absent} not called it" in (
                 str(info.value)
@@ -277,9 +278,9 @@ def test_ranks_in_different_calls_raise_on_every_rank(directory):
 
 
 def test_a_call_without_rank_0_raises_on_the_others_naming_rank_0(directory, monkeypatch):
-    monkeypatch.setenv("JAXDDP_CHECK_TIMEOUT", "1")
     comm = WORLD.Dup()  # what the ranks that came sent to rank 0 stays on this one
     ckpt = jaxddp.CheckpointManager(directory, comm=comm)
+    monkeypatch.setenv("JAXDDP_CHECK_TIMEOUT", "1")  # the wait in vain alone
     if rank != 0:
         with pytest.raises(
             TimeoutError, match=r"CheckpointManager.all_steps on rank \d+ waited 1 s for rank 0,"
