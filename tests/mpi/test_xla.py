@@ -58,6 +58,38 @@ def test_allreduce_equals_the_mpi_path(op):
         )
 
 
+def _nans_and_zeros(dtype):
+    """A NaN on rank 1 alone, on rank 0 alone; -0.0 on even ranks and +0.0 on odd ones, and
+    the other way round; a plain value."""
+    x = np.array([rank + 1.0, rank + 1.0, 0.0, 0.0, -1.0 - rank], dtype)
+    x[0] = np.nan if rank == 1 else x[0]
+    x[1] = np.nan if rank == 0 else x[1]
+    x[2] = -0.0 if rank % 2 == 0 else 0.0
+    x[3] = 0.0 if rank % 2 == 0 else -0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_a_max_or_min_keeps_another_ranks_nan_and_orders_signed_zeros_as_the_mpi_path(op, dtype):
+    # Before, pmax/pmin dropped rank 1's NaN (2.0 where the MPI path gave NaN), and the zeros
+    # came out as whichever rank's came first
+    jax.config.update("jax_enable_x64", dtype == np.float64)
+    try:
+        x = jnp.asarray(_nans_and_zeros(dtype))
+        on_xla = np.asarray(jaxddp.spmd(lambda t: jaxddp.allreduce(t, op=op))(x))
+        on_mpi = np.asarray(jax.jit(lambda t: jaxddp.allreduce(t, op=op))(x))
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    assert on_xla.dtype == on_mpi.dtype == dtype
+    itype = np.int32 if dtype == np.float32 else np.int64
+    np.testing.assert_array_equal(on_xla.view(itype), on_mpi.view(itype))  # every bit
+    assert np.isnan(on_xla[:2]).all(), on_xla
+    zero = 0.0 if op == "max" else -0.0  # IEEE 754's maximum and minimum: -0.0 < +0.0
+    assert np.array_equal(np.signbit(on_xla[2:4]), np.signbit([zero, zero])), on_xla
+    assert on_xla[4] == (-1.0 if op == "max" else -float(size)), on_xla
+
+
 @pytest.mark.parametrize("root", [0, size - 1])
 def test_broadcast_and_reduce_equal_the_mpi_path(root):
     tree = _tree(10 + rank)
