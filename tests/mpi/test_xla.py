@@ -210,7 +210,7 @@ class _Net(nnx.Module):
         return self.out(nnx.relu(self.norm(self.hidden(x), mask=mask)))
 
 
-def _nnx_run(wrap):
+def _nnx_run(wrap, remat=False):
     model = _Net(nnx.Rngs(0))
     tx = optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.05, momentum=0.9))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -221,6 +221,8 @@ def _nnx_run(wrap):
             per_example = jnp.sum((model(x, mask) - y) ** 2, axis=-1)
             return jaxddp.masked_mean(per_example, mask)
 
+        if remat:  # gradient checkpointing: the forward pass runs again in the backward one
+            loss_fn = nnx.remat(loss_fn)
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
         return loss
@@ -243,6 +245,17 @@ def test_an_nnx_step_with_sync_batch_norm_equals_the_mpi_path():
     assert jaxddp.synchronize(nnx.state(_Net(nnx.Rngs(rank))), root=0) is not None
     mine = np.concatenate([np.ravel(x) for x in flat_xla]).astype(np.float64)
     assert np.array_equal(jaxddp.allreduce(mine, op="max"), jaxddp.allreduce(mine, op="min"))
+
+
+def test_sync_batch_norm_and_masked_mean_under_remat_equal_the_step_without_on_both_paths():
+    # Before, the MPI path (nnx.jit alone) raised NotImplementedError: "Effects not supported
+    # in AD of `checkpoint`/`remat`" (the collectives' mpi4jax ordered effect)
+    without = jax.tree.leaves(_nnx_run(lambda f: f))
+    for wrap in (jaxddp.spmd, lambda f: f):
+        got = jax.tree.leaves(_nnx_run(wrap, remat=True))
+        assert len(got) == len(without) > 0
+        for a, b in zip(got, without, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 def test_another_batch_shape_on_one_rank_is_an_error_on_every_rank():
