@@ -63,3 +63,18 @@ def test_a_rank_that_never_builds_its_sampler_is_an_error_within_the_deadline():
     assert "`DistributedSampler` and not every rank arrived" in log
     waited = float(log.split("rank 0 raised after ")[1].split(" s:")[0])
     assert 3 <= waited < 10, log
+
+
+@pytest.mark.parametrize("path", ["mpi", "xla"])
+def test_sigterm_ends_a_rank_or_runs_the_programs_handler_on_both_paths(path):
+    # Before the fix, JAX's preemption service (started with its distributed runtime on the
+    # xla path) took SIGTERM over: both ranks logged "SIGTERM caught", rank 0's own handler
+    # never ran, and the job trained on to its last step and exited 0.
+    env = dict(os.environ, JAXDDP_COLLECTIVES=path)
+    result = launch([str(SCRIPTS / "sigterm.py")], 2, timeout=90, env=env, quick=True)
+    assert not result.timed_out, result.report()
+    assert result.returncode != 0, result.report()
+    assert result.after_first_text < 30, result.report()  # their start not counted
+    assert "rank 0's own handler caught SIGTERM at step 3" in result.rank_logs["0"]
+    assert "rank 1 sends itself SIGTERM at step 6" in result.rank_logs["1"]
+    assert "ran all steps" not in result.rank_logs["0"] + result.rank_logs["1"]

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -224,8 +225,38 @@ void await_all(uint32_t arrival) {
   }
 }
 
+// A maximum or minimum of floats compares them as integers of the same width that order as
+// the floats do: a negative float's bits below its sign flipped (so -0.0 < +0.0), a NaN as the
+// largest integer for a maximum and the smallest for a minimum (so a NaN on any rank is the
+// result), and the winner's key turned back into its float. These are the keys that the
+// lowering sends through MPI (lowering.py, order.py) and that the xla path reduces: a maximum
+// or minimum has the same bits in shared memory, through MPI and on the xla path, whichever
+// rank holds which value.
+template <typename T, typename I>
+void combine_ordered(T* __restrict out, const T* __restrict in, int64_t n, bool largest) {
+  static_assert(sizeof(T) == sizeof(I));
+  constexpr I kFlip = std::numeric_limits<I>::max();
+  const I nan_key = largest ? std::numeric_limits<I>::max() : std::numeric_limits<I>::min();
+  auto key = [&](T v) {
+    I bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    return v != v ? nan_key : bits < 0 ? static_cast<I>(bits ^ kFlip) : bits;
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const I a = key(out[i]);
+    const I b = key(in[i]);
+    I k = largest ? (b > a ? b : a) : (b < a ? b : a);
+    k = k < 0 ? static_cast<I>(k ^ kFlip) : k;
+    std::memcpy(&out[i], &k, sizeof k);
+  }
+}
+
 template <typename T>
 void combine(T* __restrict out, const T* __restrict in, int64_t n, int32_t op) {
+  if constexpr (std::is_floating_point_v<T>) {
+    using I = std::conditional_t<sizeof(T) == 4, int32_t, int64_t>;
+    if (op != kSum) return combine_ordered<T, I>(out, in, n, op == kMax);
+  }
   if (op == kSum) {
     if constexpr (std::is_integral_v<T>) {  // wraps around, as MPI's does
       using U = std::make_unsigned_t<T>;
@@ -233,10 +264,10 @@ void combine(T* __restrict out, const T* __restrict in, int64_t n, int32_t op) {
     } else {
       for (int64_t i = 0; i < n; ++i) out[i] += in[i];
     }
-  } else if (op == kMax) {  // a NaN on any rank is the result, as jnp.maximum has it
-    for (int64_t i = 0; i < n; ++i) out[i] = in[i] > out[i] || in[i] != in[i] ? in[i] : out[i];
+  } else if (op == kMax) {  // integers (floats are above)
+    for (int64_t i = 0; i < n; ++i) out[i] = in[i] > out[i] ? in[i] : out[i];
   } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = in[i] < out[i] || in[i] != in[i] ? in[i] : out[i];
+    for (int64_t i = 0; i < n; ++i) out[i] = in[i] < out[i] ? in[i] : out[i];
   }
 }
 

@@ -83,6 +83,11 @@ def start(comm: Any, rank: int, size: int, *, one_node: bool) -> None:
         address = f"{host}:{_free_port()}"
     address = comm.bcast(address, root=0)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption service (on by default) replaces the process's SIGTERM handler with
+    # one that only records the signal: the job would train on through a scheduler's stop,
+    # `timeout` or the program's own handler. A rank of jaxddp's world ends on SIGTERM as on
+    # the MPI path, or does what the program's handler says.
+    jax.config.update("jax_enable_preemption_service", False)
     timeout = _settings.startup_timeout()
     jax.distributed.initialize(
         address,

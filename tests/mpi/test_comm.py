@@ -143,6 +143,31 @@ def test_masked_mean_on_concrete_values_matches_the_jitted_one():
     assert np.isnan(nothing)
 
 
+def test_masked_mean_differentiates_under_jax_checkpoint():
+    # Before, jax.checkpoint (remat) refused the collective's effect: NotImplementedError
+    # "Effects not supported in AD of `checkpoint`/`remat`" (mpi4jax's ordered effect)
+    x = jnp.arange(4.0) + rank
+    mask = jnp.array([True, True, rank == 0, True])
+
+    def loss(w):
+        return jaxddp.masked_mean((x * w) ** 2, mask)
+
+    w = jnp.float32(1.5)
+    want = jax.jit(jax.grad(loss))(w)  # this rank's share, as without the checkpoint
+    xs = np.concatenate([np.arange(4.0) + r for r in range(size)])
+    kept = np.concatenate([[True, True, r == 0, True] for r in range(size)])
+    whole = 2 * 1.5 * np.sum(xs[kept] ** 2) / kept.sum()  # d/dw of the mean of (x w)^2
+    nothing_saved = jax.checkpoint_policies.nothing_saveable
+    for f in (
+        jax.jit(jax.grad(jax.checkpoint(loss))),
+        jax.grad(jax.checkpoint(loss)),  # the checkpoint staged outside any jit
+        jax.jit(jax.grad(jax.checkpoint(loss, policy=nothing_saved))),
+    ):
+        got = f(w)
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        np.testing.assert_allclose(jaxddp.allreduce(np.asarray(got), "mean"), whole, rtol=1e-6)
+
+
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_broadcast_and_reduce_keep_the_kind_of_each_leaf(jit):
     tree = {"w": jnp.arange(3.0) + rank, "step": rank, "name": "mlp"}

@@ -58,6 +58,38 @@ def test_allreduce_equals_the_mpi_path(op):
         )
 
 
+def _nans_and_zeros(dtype):
+    """A NaN on rank 1 alone, on rank 0 alone; -0.0 on even ranks and +0.0 on odd ones, and
+    the other way round; a plain value."""
+    x = np.array([rank + 1.0, rank + 1.0, 0.0, 0.0, -1.0 - rank], dtype)
+    x[0] = np.nan if rank == 1 else x[0]
+    x[1] = np.nan if rank == 0 else x[1]
+    x[2] = -0.0 if rank % 2 == 0 else 0.0
+    x[3] = 0.0 if rank % 2 == 0 else -0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_a_max_or_min_keeps_another_ranks_nan_and_orders_signed_zeros_as_the_mpi_path(op, dtype):
+    # Before, pmax/pmin dropped rank 1's NaN (2.0 where the MPI path gave NaN), and the zeros
+    # came out as whichever rank's came first
+    jax.config.update("jax_enable_x64", dtype == np.float64)
+    try:
+        x = jnp.asarray(_nans_and_zeros(dtype))
+        on_xla = np.asarray(jaxddp.spmd(lambda t: jaxddp.allreduce(t, op=op))(x))
+        on_mpi = np.asarray(jax.jit(lambda t: jaxddp.allreduce(t, op=op))(x))
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    assert on_xla.dtype == on_mpi.dtype == dtype
+    itype = np.int32 if dtype == np.float32 else np.int64
+    np.testing.assert_array_equal(on_xla.view(itype), on_mpi.view(itype))  # every bit
+    assert np.isnan(on_xla[:2]).all(), on_xla
+    zero = 0.0 if op == "max" else -0.0  # IEEE 754's maximum and minimum: -0.0 < +0.0
+    assert np.array_equal(np.signbit(on_xla[2:4]), np.signbit([zero, zero])), on_xla
+    assert on_xla[4] == (-1.0 if op == "max" else -float(size)), on_xla
+
+
 @pytest.mark.parametrize("root", [0, size - 1])
 def test_broadcast_and_reduce_equal_the_mpi_path(root):
     tree = _tree(10 + rank)
@@ -180,7 +212,7 @@ class _Net(nnx.Module):
         return self.out(nnx.relu(self.norm(self.hidden(x), mask=mask)))
 
 
-def _nnx_run(wrap):
+def _nnx_run(wrap, remat=False):
     model = _Net(nnx.Rngs(0))
     tx = optax.chain(jaxddp.allreduce_gradients(), optax.sgd(0.05, momentum=0.9))
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
@@ -191,6 +223,8 @@ def _nnx_run(wrap):
             per_example = jnp.sum((model(x, mask) - y) ** 2, axis=-1)
             return jaxddp.masked_mean(per_example, mask)
 
+        if remat:  # gradient checkpointing: the forward pass runs again in the backward one
+            loss_fn = nnx.remat(loss_fn)
         loss, grads = nnx.value_and_grad(loss_fn)(model)
         optimizer.update(model, grads)
         return loss
@@ -213,6 +247,17 @@ def test_an_nnx_step_with_sync_batch_norm_equals_the_mpi_path():
     assert jaxddp.synchronize(nnx.state(_Net(nnx.Rngs(rank))), root=0) is not None
     mine = np.concatenate([np.ravel(x) for x in flat_xla]).astype(np.float64)
     assert np.array_equal(jaxddp.allreduce(mine, op="max"), jaxddp.allreduce(mine, op="min"))
+
+
+def test_sync_batch_norm_and_masked_mean_under_remat_equal_the_step_without_on_both_paths():
+    # Before, the MPI path (nnx.jit alone) raised NotImplementedError: "Effects not supported
+    # in AD of `checkpoint`/`remat`" (the collectives' mpi4jax ordered effect)
+    without = jax.tree.leaves(_nnx_run(lambda f: f))
+    for wrap in (jaxddp.spmd, lambda f: f):
+        got = jax.tree.leaves(_nnx_run(wrap, remat=True))
+        assert len(got) == len(without) > 0
+        for a, b in zip(got, without, strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
 
 def test_another_batch_shape_on_one_rank_is_an_error_on_every_rank():

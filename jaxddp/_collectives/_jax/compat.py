@@ -241,11 +241,31 @@ def lowering_into_main() -> bool:
 
 @functools.cache
 def ordered_effect() -> Any:
-    """mpi4jax's ordered effect, imported on first use (importing mpi4jax starts MPI)."""
+    """mpi4jax's ordered effect, imported on first use (importing mpi4jax starts MPI), and
+    allowed under ``jax.checkpoint`` (:func:`_allow_under_remat`)."""
     silence_mpi4jax_version_warning()
     from mpi4jax._src.utils import ordered_effect
 
+    _allow_under_remat(type(ordered_effect))
     return ordered_effect
+
+
+def _allow_under_remat(effect_type: type) -> None:
+    """Lets ``jax.checkpoint`` (remat) differentiate a function whose collectives carry
+    ``effect_type``: JAX refuses any effect it does not list in ``remat_allowed_effects``
+    (``NotImplementedError: Effects not supported in AD of checkpoint/remat``), and a
+    collective inside ``jax.checkpoint`` takes the ordered form (the checkpoint is a trace of
+    its own, below the jit's level), which carries mpi4jax's ordered effect. Remat may run
+    the checkpointed forward pass again in the backward pass, collectives included; every
+    rank runs the same program, so every rank runs them again, in the same order, and the
+    effect's token orders them as it orders any other. JAX lists its own debug and FFI
+    effects there for the same reason (``jax._src.debugging``, ``jax._src.ffi``). The table
+    is in jax 0.10 to 0.12; a JAX without it leaves remat refusing the effect, as before."""
+    from jax._src import effects
+
+    allowed = getattr(effects, "remat_allowed_effects", None)
+    if allowed is not None:
+        allowed.add_type(effect_type)
 
 
 @functools.cache

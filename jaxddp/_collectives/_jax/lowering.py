@@ -9,46 +9,28 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.core import ShapedArray
 from jax.interpreters import mlir
 
 from ... import _native
-from . import compat
+from . import compat, order
 from .records import RECORDS, Handle
 
 __all__ = ["emit", "out_avals"]
 
 
 # A maximum or minimum of floats travels as integers of the same width that order as the
-# floats do, a NaN beyond either end (see _keys): MPI's MAX and MIN of floats keep a NaN or
-# drop it depending on the MPI library and on which rank holds it, this keeps it on every
-# path (MPI, shared memory, either handler), as jnp.maximum and the host path do.
-_KEY_TYPES = {np.dtype(np.float32): np.int32, np.dtype(np.float64): np.int64}
-
-
-def _keys(x: Any, largest: bool) -> Any:
-    """Floats as integers of the same order: a negative float's bits below its sign
-    flipped; a NaN as the largest integer (``largest``, for a maximum) or the smallest."""
-    itype = _KEY_TYPES[np.dtype(x.dtype)]
-    info = np.iinfo(itype)
-    bits = jax.lax.bitcast_convert_type(x, itype)
-    keys = jnp.where(bits < 0, bits ^ itype(info.max), bits)
-    return jnp.where(jnp.isnan(x), itype(info.max if largest else info.min), keys)
-
-
-def _floats(keys: Any, dtype: Any) -> Any:
-    """What :func:`_keys` made, back as floats (a NaN's key back as a NaN)."""
-    flip = np.iinfo(keys.dtype).max
-    return jax.lax.bitcast_convert_type(jnp.where(keys < 0, keys ^ flip, keys), dtype)
+# floats do (.order): MPI's MAX and MIN of floats keep a NaN or drop it depending on the MPI
+# library and on which rank holds it; the keys keep it on every path (MPI, shared memory,
+# either handler, the xla path), and give -0.0 < +0.0 on each.
 
 
 def _ordered_as_keys(kind: str, params: dict[str, Any], aval: Any, target: str) -> bool | None:
     """For a maximum (True) or minimum (False) of floats: whether the largest key wins;
     None for any other call, and where jaxddp's handler reduces in shared memory (which
-    keeps a NaN itself: the conversions cost more there than the reduction)."""
-    if kind not in ("allreduce", "reduce") or np.dtype(aval.dtype) not in _KEY_TYPES:
+    compares the same keys itself: the conversions cost more there than the reduction)."""
+    if kind not in ("allreduce", "reduce") or np.dtype(aval.dtype) not in order.KEY_TYPES:
         return None
     if _native.reduces_in_shared_memory(target, params["comm"].handle):
         return None
@@ -110,9 +92,11 @@ def emit(
         largest = _ordered_as_keys(kind, params, aval_in, target)
         wire, wire_in, wire_out = x, aval_in, aval_out
         if largest is not None:
-            wire_in = aval_in.update(dtype=_KEY_TYPES[np.dtype(aval_in.dtype)])
+            wire_in = aval_in.update(dtype=order.KEY_TYPES[np.dtype(aval_in.dtype)])
             wire_out = aval_out.update(dtype=wire_in.dtype)
-            wire = _convert(ctx, functools.partial(_keys, largest=largest), x, aval_in, wire_in)
+            wire = _convert(
+                ctx, functools.partial(order.keys, largest=largest), x, aval_in, wire_in
+            )
         token_aval = compat.abstract_token()
         sub = ctx.replace(avals_in=(wire_in, token_aval), avals_out=(wire_out, token_aval))
         attrs = record.call_attrs(params, wire_in)
@@ -120,7 +104,7 @@ def emit(
             attrs["call"] = call
         out, token = rule(sub, wire, token, **attrs)
         if largest is not None:
-            back = functools.partial(_floats, dtype=aval_out.dtype)
+            back = functools.partial(order.floats, dtype=aval_out.dtype)
             out = _convert(ctx, back, out, wire_out, aval_out)
         outs.append(out)
     return token, outs

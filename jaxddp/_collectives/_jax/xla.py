@@ -17,6 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from . import order
 
 __all__ = [
     "AXIS",
@@ -85,9 +88,23 @@ def _reducer(op: Any) -> Any:
 
 
 def allreduce(xs: Sequence[Any], op: Any, name: str) -> list[Any]:
-    """Every rank's ``xs`` reduced with the MPI op ``op`` (sum, max or min)."""
+    """Every rank's ``xs`` reduced with the MPI op ``op`` (sum, max or min).
+
+    A maximum or minimum of floats is reduced as :mod:`.order`'s integer keys, as on the MPI
+    path: ``pmax`` alone drops a NaN held by another rank and picks either zero where ranks
+    hold -0.0 and +0.0; the keys make a NaN on any rank the result and -0.0 < +0.0, with the
+    MPI path's bits (two elementwise conversions, one integer ``pmax``)."""
     reducer = _reducer(op)
-    return [reducer(x, name) for x in xs]
+    if reducer is jax.lax.psum:
+        return [reducer(x, name) for x in xs]
+    largest = reducer is jax.lax.pmax
+    out = []
+    for x in xs:
+        if np.dtype(x.dtype) in order.KEY_TYPES:
+            out.append(order.floats(reducer(order.keys(x, largest), name), x.dtype))
+        else:
+            out.append(reducer(x, name))
+    return out
 
 
 def allgather(xs: Sequence[Any], name: str) -> list[Any]:
