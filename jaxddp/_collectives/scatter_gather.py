@@ -8,7 +8,7 @@ parameters back (``all_gather``). Their shapes follow ``jax.lax.psum_scatter`` a
 Through MPI (inside ``jax.jit`` with jaxddp's alltoall and allgather, outside it with
 mpi4py) a reduce-scatter is an alltoall of the blocks, then a sum in rank order on each
 rank: it moves what an allreduce's first half moves ((W - 1) / W of the leaf per rank,
-against about twice that for an allreduce then a slice), computes a W-th of the sum, and its
+against about twice that for an allreduce then a slice), computes a W-th of the sum, and the sum's
 bits are the same inside and outside ``jax.jit``. Inside ``jaxddp.spmd`` with
 ``JAXDDP_COLLECTIVES=xla`` they are JAX's ``psum_scatter`` and ``all_gather``.
 """
@@ -53,10 +53,12 @@ def reduce_scatter(
     ``(k, *rest)``. :func:`all_gather` with the same ``tiled`` puts the blocks back together.
 
     Through MPI the blocks travel in one alltoall (leaves of one dtype share it) and each
-    rank adds the ``W`` blocks it got in rank order, ``((x_0 + x_1) + x_2) + ...``, so the
-    result is the same to the bit inside and outside ``jax.jit``. Inside ``jaxddp.spmd``
-    with ``JAXDDP_COLLECTIVES=xla`` it is ``psum_scatter``, whose floating-point sums XLA
-    orders itself: equal to the MPI path to rounding (exactly for integers and booleans).
+    rank adds the ``W`` blocks it got in rank order, ``((x_0 + x_1) + x_2) + ...``: the sum
+    is the same to the bit inside and outside ``jax.jit`` (a mean divides it as XLA or
+    NumPy divides, which may differ in the last bit where ``W`` is not a power of two).
+    Inside ``jaxddp.spmd`` with ``JAXDDP_COLLECTIVES=xla`` it is ``psum_scatter``, whose
+    floating-point sums XLA orders itself: equal to the MPI path to rounding (exactly for
+    integers and booleans).
 
     Every rank must pass a tree of the same structure, shapes and dtypes and the same
     ``op``; the ranks check that first, as :func:`allreduce` does, and then every rank
