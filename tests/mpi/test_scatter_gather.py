@@ -229,3 +229,11 @@ def test_a_bad_input_inside_spmd_raises_on_every_rank():
     with pytest.raises(ValueError, match="does not divide into"):
         step({"w": jnp.ones(2 * size + 1)})
     assert step({"w": jnp.ones(2 * size)})["w"].tolist() == [size, size]
+
+
+def test_they_have_no_derivative_through_mpi():
+    x = jnp.ones((size, 2))
+    for collective in (jaxddp.reduce_scatter, jaxddp.all_gather):
+        loss = jax.jit(jax.grad(lambda v, c=collective: jnp.sum(c(v))))
+        with pytest.raises(NotImplementedError):
+            loss(x)
