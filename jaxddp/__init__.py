@@ -21,6 +21,8 @@ from ._collectives.api import reduce as reduce
 from ._collectives.api import world_size as world_size
 from ._collectives.consistency import TreeMismatchError as TreeMismatchError
 from ._collectives.consistency import synchronize as synchronize
+from ._collectives.scatter_gather import all_gather as all_gather
+from ._collectives.scatter_gather import reduce_scatter as reduce_scatter
 from ._data.join import JoinedStream as JoinedStream
 from ._data.join import join as join
 from ._data.sampler import DistributedSampler as DistributedSampler
@@ -83,6 +85,7 @@ __all__ = [
     "SyncBatchNorm",
     "TreeMismatchError",
     "__version__",
+    "all_gather",
     "allreduce",
     "allreduce_gradients",
     "average_state",
@@ -94,6 +97,7 @@ __all__ = [
     "masked_mean",
     "rank",
     "reduce",
+    "reduce_scatter",
     "resolve_unused_parameters",
     "shard_optimizer",
     "spmd",

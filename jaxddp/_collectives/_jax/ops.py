@@ -15,7 +15,15 @@ from . import xla
 from .primitives import allgather_p, allreduce_p, alltoall_p, bcast_p, reduce_p
 from .records import Handle
 
-__all__ = ["allgather_many", "allreduce_many", "alltoall_many", "bcast_many", "reduce_many"]
+__all__ = [
+    "allgather_many",
+    "allreduce_many",
+    "alltoall_many",
+    "bcast_many",
+    "reduce_many",
+    "reduce_scatter_many",
+    "sum_rows",
+]
 
 
 def _after(xs: Sequence[Any], outs: Sequence[Any]) -> list[Any]:
@@ -96,3 +104,31 @@ def alltoall_many(xs: Sequence[Any], comm: Communicator) -> list[Any]:
         return xla.alltoall(xs, name)
     _register_targets()
     return alltoall_p.bind(*xs, comm=Handle(comm), size=size)
+
+
+def sum_rows(rows: Any) -> Any:
+    """The rows of a ``(size, ...)`` array (NumPy or jax) added in rank order, one after the
+    other: ``((rows[0] + rows[1]) + rows[2]) + ...``, the order of the sharded optimizer's
+    sum and of the reference the tests compute."""
+    total = rows[0]
+    for j in range(1, rows.shape[0]):
+        total = total + rows[j]
+    return total
+
+
+def reduce_scatter_many(xs: Sequence[Any], op: Any, comm: Communicator) -> list[Any]:
+    """Each array of ``xs`` has the communicator's size as its first axis; rank ``r`` gets
+    row ``r`` summed over the ranks (the MPI op ``op`` must be MPI's SUM; the arrays are in
+    the dtype they are summed in). Through MPI: an alltoall, then :func:`sum_rows` (in rank
+    order, the same bits on every path through MPI); inside ``jaxddp.spmd`` with ``xla``,
+    ``psum_scatter`` (XLA's order of the sum)."""
+    if not xs:
+        return []
+    if (name := xla.axis_for(comm)) is not None:
+        return xla.reduce_scatter(xs, op, name)
+    from ..._runtime.world import mpi
+
+    if op != mpi().SUM:
+        msg = f"jaxddp's reduce-scatter sums only; it got the MPI op {op!r}."
+        raise NotImplementedError(msg)
+    return [sum_rows(rows) for rows in alltoall_many(xs, comm)]

@@ -31,6 +31,7 @@ __all__ = [
     "bcast",
     "bound",
     "reduce",
+    "reduce_scatter",
 ]
 
 AXIS = "jaxddp_ranks"  # the mesh axis of the ranks, one device per rank, in rank order
@@ -131,3 +132,12 @@ def reduce(xs: Sequence[Any], op: Any, root: int, name: str) -> list[Any]:
 def alltoall(xs: Sequence[Any], name: str) -> list[Any]:
     """Row ``j`` of each array goes to rank ``j``; row ``i`` of the result came from rank ``i``."""
     return [jax.lax.all_to_all(x, name, 0, 0) for x in xs]
+
+
+def reduce_scatter(xs: Sequence[Any], op: Any, name: str) -> list[Any]:
+    """Row ``r`` of each ``(size, ...)`` array summed over the ranks, on rank ``r``: JAX's
+    ``psum_scatter`` (a sum only: the MPI op ``op`` must be MPI's SUM)."""
+    if _reducer(op) is not jax.lax.psum:
+        msg = f"jaxddp.spmd has no XLA reduce-scatter for the MPI op {op!r}; only a sum."
+        raise NotImplementedError(msg)
+    return [jax.lax.psum_scatter(x, name, scatter_dimension=0, tiled=False) for x in xs]
