@@ -301,7 +301,7 @@ def test_the_settings_page_names_the_test_switches_the_library_reads():
 
     page = _read(DOCS / "settings.md")
     for name in (DRIVER_VARIABLE, FORCE_VARIABLE, PATH_VARIABLE):
-        assert f"| `{name}` |" in page, name
+        assert f"- `{name}` (" in page, name
     read = set(re.findall(r"JAXDDP_TEST_\w+", "".join(
         _read(path) for path in (ROOT / "jaxddp").rglob("*.py")
     )))  # fmt: skip

@@ -1,7 +1,7 @@
-"""Runs every example of docs/examples (the pages "Bring your own model and data" and "Broadcast,
-reduce and the sharded optimizer") in this
-process, one after the other, and saves each one's final parameters to
-``OUT/<example>-rank<R>.npz``: one launch for all of them, on any number of ranks.
+"""Runs every example of docs/examples (the pages "Bring your own model and data" and
+"Broadcast, reduce and the sharded optimizer") in this process, one after the other, and saves
+each one's final parameters to ``OUT/<example>-rank<R>.npz``: one launch for all of them, on any
+number of ranks.
 
     python tests/scripts/docs_examples.py OUT [EXAMPLE ...]
 """
