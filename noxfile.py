@@ -398,6 +398,58 @@ def gpu_wheels(session: nox.Session) -> None:
     session.log(f"{len(list(GPU_WHEELS.iterdir()))} files, {total / 2**20:.1f} MiB in {GPU_WHEELS}")
 
 
+def check_dist(dist: Path) -> None:
+    """What `nox -s build` checks beyond `twine check`: one sdist and one wheel, of
+    pyproject.toml's version, and the wheel holds every file of the package that the sdist
+    holds (the compiled allreduce's C++ sources and `py.typed` among them)."""
+    import tarfile
+    import tomllib
+    import zipfile
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    sdist, wheel = dist / f"jaxddp-{version}.tar.gz", dist / f"jaxddp-{version}-py3-none-any.whl"
+    found = sorted(p.name for p in dist.iterdir())
+    if found != sorted([sdist.name, wheel.name]):
+        msg = f"dist/ holds {found}, expected {sdist.name} and {wheel.name}"
+        raise RuntimeError(msg)
+    with tarfile.open(sdist) as tar:
+        prefix = f"jaxddp-{version}/"
+        in_sdist = {
+            m.name.removeprefix(prefix)
+            for m in tar.getmembers()
+            if m.isfile() and m.name.startswith(prefix + "jaxddp/")
+        }
+    with zipfile.ZipFile(wheel) as whl:
+        in_wheel = {n for n in whl.namelist() if n.startswith("jaxddp/")}
+    needed = {"jaxddp/py.typed", "jaxddp/_native/allreduce.cc", "jaxddp/examples/digits.py"}
+    missing = (in_sdist | needed) - in_wheel
+    if missing:
+        msg = f"the wheel lacks {sorted(missing)}"
+        raise RuntimeError(msg)
+
+
+@nox.session(default=False)
+def build(session: nox.Session) -> None:
+    """The sdist and the wheel in dist/ (emptied first), built as pip would (hatchling; the
+    wheel from the sdist), then checked: `twine check --strict` and check_dist. docs/install.md
+    installs that wheel."""
+    install(session, "build", "hatchling>=1.21", "twine")
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    session.run("python", "-m", "build", "--no-isolation", "--outdir", str(dist), str(ROOT))
+    session.run("twine", "check", "--strict", *sorted(str(p) for p in dist.iterdir()))
+    check_dist(dist)
+    session.log(f"checked: {', '.join(sorted(p.name for p in dist.iterdir()))}")
+
+
+@nox.session(python=False, default=False)
+def install_docs(session: nox.Session) -> None:
+    """docs/install.md, run as written: its blocks for (a), from the clone, and (b), from a
+    wheel, each in a fresh copy of the clone, then the digits example on 2 ranks from the
+    installed package (tests/scripts/install_docs.py). `-- clone` or `-- wheel` runs one."""
+    session.run(sys.executable, "tests/scripts/install_docs.py", *session.posargs, external=True)
+
+
 # mkdocstrings formats the signatures with ruff when it is installed.
 DOCS_REQUIREMENTS = ("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.27", "ruff")
 

@@ -163,7 +163,9 @@ def markdown(results: dict) -> str:
         "# All results",
         "",
         (
-            f"Every table of the last `nox -s bench` run, on {results['machine']}. Medians; in "
+            "The tables of the `nox -s bench` runs kept in benchmarks/results/ (a run of some "
+            "sections keeps the others' earlier results, so tables may come from different "
+            f"runs); the last run on {results['machine']}. Medians; in "
             "brackets the ratio to the limit (mpi4py's `Allreduce` of one flat buffer of the "
             "same bytes, measured in the same launch). Lower is better. [Methods](methods.md) "
             "says how each was measured; the [Benchmarks](index.md) page has the latest figures."

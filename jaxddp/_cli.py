@@ -58,6 +58,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="jaxddp", description="Data-parallel training of JAX models over MPI."
     )
+    version = _version("jaxddp") or "0+unknown"  # as jaxddp.__version__
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     doctor_parser = commands.add_parser(
         "doctor",

@@ -1,4 +1,4 @@
-"""grain, fed from :class:`jaxddp.DistributedSampler`: ``pip install 'jaxddp[grain]'``.
+"""grain, fed from :class:`jaxddp.DistributedSampler`: needs ``pip install grain``.
 
 :func:`batches` is :meth:`jaxddp.DistributedSampler.batches` with the samples read by a
 grain pipeline: every rank gets its interleaved, padded batches with their masks, and the

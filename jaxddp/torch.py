@@ -1,5 +1,5 @@
 """PyTorch's DataLoader, fed from :class:`jaxddp.DistributedSampler`:
-``pip install 'jaxddp[torch]'``.
+needs torch (``pip install torch``, or a CPU build of it).
 
 :class:`DataLoader` is a ``torch.utils.data.DataLoader`` of this rank's ``(batch, mask)``
 pairs, with exact mid-epoch state; :class:`DistributedBatchSampler` and

@@ -1,6 +1,7 @@
-"""Runs every example of docs/examples (the page "Bring your own model and data") in this
-process, one after the other, and saves each one's final parameters to
-``OUT/<example>-rank<R>.npz``: one launch for all of them, on any number of ranks.
+"""Runs every example of docs/examples (the pages "Bring your own model and data" and
+"Broadcast, reduce and the sharded optimizer") in this process, one after the other, and saves
+each one's final parameters to ``OUT/<example>-rank<R>.npz``: one launch for all of them, on any
+number of ranks.
 
     python tests/scripts/docs_examples.py OUT [EXAMPLE ...]
 """
@@ -13,7 +14,10 @@ import jax
 import numpy as np
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
-NAMES = ["nnx_model", "linen_train_state", "equinox_model", "grain_pipeline", "torch_dataloader"]
+NAMES = [
+    "nnx_model", "linen_train_state", "equinox_model", "grain_pipeline", "torch_dataloader",
+    "collectives",
+]  # fmt: skip
 
 
 def main() -> None:

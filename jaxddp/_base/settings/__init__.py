@@ -62,7 +62,8 @@ _FALSE = ("0", "false", "no", "off")
 class SettingError(ValueError):
     """A ``JAXDDP_*`` environment variable holds a value jaxddp does not accept, or one that
     every rank must share (``JAXDDP_CHECK``, ``JAXDDP_NATIVE_ALLREDUCE``,
-    ``JAXDDP_SHARED_ALLREDUCE``) differs between the ranks. A ``ValueError``."""
+    ``JAXDDP_SHARED_ALLREDUCE``, ``JAXDDP_COLLECTIVES``) differs between the ranks. A
+    ``ValueError``."""
 
 
 def _raw(setting: Setting, env: Mapping[str, str] | None) -> str:
