@@ -13,7 +13,7 @@ the step is traced (``shard_map`` reads them once the step has returned).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +28,22 @@ from . import agree as _agree
 from . import nnx_slots as _slots
 from . import varying as _varying
 
-__all__ = ["Form", "Leaf"]
+__all__ = ["Form", "Layout", "Leaf"]
 
 AXIS = _xla.AXIS
 REPLICATED = PartitionSpec()
 BLOCKED = PartitionSpec(AXIS)
+
+
+class Layout(NamedTuple):
+    """What a form is compiled for besides its leaves: the static arguments (position,
+    value), the arguments' tree, how many positional arguments the step takes, and the
+    graph of its NNX objects (None without)."""
+
+    statics: tuple[tuple[int, Any], ...]
+    treedef: Any
+    count: int
+    graphdef: Any
 
 
 class Leaf:
@@ -63,7 +74,7 @@ class Form:
         fun: Callable[..., Any],
         shardings: tuple[Any, Any],
         leaves: tuple[Leaf, ...],
-        layout: tuple[Any, Any, int, Any],
+        layout: Layout,
         name: str,
     ) -> None:
         self.fun, self.leaves, self.layout, self.name = fun, leaves, layout, name

@@ -34,7 +34,7 @@ from ..._collectives.api import channels
 from ..._runtime import distributed as _distributed
 from . import agree as _agree
 from . import nnx_slots as _slots
-from .form import BLOCKED, REPLICATED, Form, Leaf
+from .form import BLOCKED, REPLICATED, Form, Layout, Leaf
 
 __all__ = ["FORMS", "Mapped"]
 
@@ -109,7 +109,7 @@ class Mapped:
                 "step, and call the wrapped step with arrays."
             )
             raise TypeError(msg)
-        layout = (statics, treedef, len(args), graphdef)
+        layout = Layout(statics, treedef, len(args), graphdef)
         key = (layout, kinds, avals)
         known = self._trees.get(key)
         fresh = known is None
@@ -217,7 +217,7 @@ class Mapped:
         _put(self._trees, key, known)
         return known
 
-    def _form(self, layout: Any, known: _Tree, kinds: Any, replicated: set[int]) -> Form:
+    def _form(self, layout: Layout, known: _Tree, kinds: Any, replicated: set[int]) -> Form:
         spec = tuple(
             (kind == _OURS or i in replicated, *value)
             for i, (kind, value) in enumerate(zip(kinds, known.values, strict=True))
