@@ -21,7 +21,7 @@ import jaxddp
 
 MPI_SIZES = (2, 3, 4)
 MPI_VARIANTS = {"xla": {"JAXDDP_COLLECTIVES": "xla"}}
-MPI_VARIANT_SIZES = {"xla": (2, 4)}
+MPI_VARIANT_SIZES = {"xla": (2, 3, 4)}
 
 rank = jaxddp.rank()
 size = jaxddp.world_size()
