@@ -50,6 +50,8 @@ def host_copy(tree: Any) -> Any:
 class Write:
     """One save's write, on a thread of its own; :meth:`wait` returns its error, if any, as
     ``(kind, text)`` where ``kind`` names the type to raise (see the manager's ``_ERRORS``).
+    ``watch``: the checkpoint directory on the rank that writes; None on a rank whose
+    thread only compares its copy with the others' (nothing to watch).
 
     A second thread looks at the write's temporary folders once a second and counts each
     change as progress for the stall inspector; it ends as soon as the write does, and
@@ -57,11 +59,12 @@ class Write:
     ``join``: a wait that polled would look like progress, and a write that stopped would
     never be reported."""
 
-    def __init__(self, step: int, work: Callable[[], None], watch: str,
+    def __init__(self, step: int, work: Callable[[], None], watch: str | None,
                  kind: Callable[[BaseException], str]) -> None:  # fmt: skip
         self.step = step
         self.error: tuple[str, str] | None = None
-        self._work, self._watch, self._kind = work, watch, kind
+        self._work: Callable[[], None] | None = work
+        self._watch, self._kind = watch, kind
         self._finished = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"jaxddp checkpoint {step}", daemon=True
@@ -70,20 +73,29 @@ class Write:
             target=self._count_progress, name=f"jaxddp checkpoint {step} progress", daemon=True
         )
         self._thread.start()
-        self._counter.start()
+        if watch is not None:
+            self._counter.start()
 
     def _run(self) -> None:
         try:
-            self._work()
+            if self._work is not None:
+                self._work()
         except BaseException as e:  # noqa: BLE001 - reported by wait(), on every rank
-            self.error = (self._kind(e), f"{type(e).__name__}: {e}")
+            # an error whose message is whole (``as_is``: it names the step and the
+            # ranks itself) is raised as it is; any other names its type
+            text = str(e) if getattr(e, "as_is", False) else f"{type(e).__name__}: {e}"
+            self.error = (self._kind(e), text)
         finally:
+            self._work = None  # what it held (the host copy) is freed now, not at the wait
             self._finished.set()
 
     def _count_progress(self) -> None:
-        seen = _bytes_under(self._watch)
+        watch = self._watch
+        if watch is None:
+            return
+        seen = _bytes_under(watch)
         while not self._finished.wait(LOOK):
-            now = _bytes_under(self._watch)
+            now = _bytes_under(watch)
             if now != seen:
                 seen = now
                 _progress.note(f"writing checkpoint {self.step}")
@@ -96,7 +108,8 @@ class Write:
         at most one look later; returns the write's error, if any. Neither thread is left
         running once a save is settled."""
         self._thread.join()
-        self._counter.join()
+        if self._counter.ident is not None:
+            self._counter.join()
         return self.error
 
 

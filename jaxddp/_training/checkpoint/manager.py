@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any, Self
 
 import jax
@@ -30,7 +31,15 @@ from ..._runtime import world as _world
 from ..._types import Communicator
 from . import background as _background
 from . import replicated, sharded
-from .steps import check_step, move_aside, open_orbax, read_step, require_orbax, write_step
+from .steps import (
+    check_step,
+    move_aside,
+    open_orbax,
+    read_step,
+    remove_leftovers,
+    require_orbax,
+    write_step,
+)
 from .trees import DamagedCheckpointError, restored_like, to_storable
 
 __all__ = ["CheckpointManager", "DamagedCheckpointError"]
@@ -108,6 +117,12 @@ class CheckpointManager:
         self._manager: Any = None
         self._damaged: set[int] = set()  # steps that restore found damaged, on every rank
         self._meet("CheckpointManager(...)")
+        # Background saves compare the ranks' states on their own thread, beside the loop's
+        # collectives: on a communicator of their own, which needs MPI_THREAD_MULTIPLE
+        # (jaxddp starts MPI with it). Without it, ``save`` compares them itself.
+        self._compare_comm: Any = None
+        if background and self._comm.Get_size() > 1 and _threads_may_talk():
+            self._compare_comm = self._comm.Dup()
         self._manager = self._on_writer(
             lambda: open_orbax(self.directory, max_to_keep),
             f"open the checkpoint directory {self.directory!r}",
@@ -135,6 +150,8 @@ class CheckpointManager:
         error = self._comm.bcast(error, root=_ROOT)
         if error is not None:
             kind, text = error
+            if kind in _REFUSED:  # the ranks' comparison: the same whole message everywhere
+                raise _REFUSED[kind](text)
             where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
             msg = f"Could not {doing}{where}: {text}"
             raise _ERRORS[kind](msg)
@@ -192,17 +209,28 @@ class CheckpointManager:
             self._replace_damaged(step)
         doing = f"save checkpoint {step} in {self.directory!r}"
         tree, pieces = sharded.split_state(self._comm, storable, step)  # the slices: apart
-        # the same on every rank where it must be (the slices aside), or refused on every
-        # rank before anything is written; the writer holds its host copy
-        host = replicated.same_on_every_rank(
-            self._comm, tree, step=step, doing=doing, copy=self._writer and self._background
-        )
+        compare_comm = self._compare_comm
+        host: Any = None
+        held: tuple[Any, replicated.Refusal | None] | None = None
+        if compare_comm is None:
+            # compared here, before anything is written: the same on every rank where it
+            # must be (the slices aside), or refused on every rank; the writer holds its
+            # host copy
+            copy = self._writer and self._background
+            host = replicated.same_on_every_rank(
+                self._comm, tree, step=step, doing=doing, copy=copy
+            )
+        else:
+            # every rank copies its state to host memory and returns; the copies are
+            # compared on the save's own thread before the writer writes, and a refusal
+            # is raised by the next call (_settle), on every rank
+            held = replicated.hold(tree, copy=True)
         # a ShardedState's slices: written by every rank, complete before Orbax lists the step
         entry = sharded.save_slices(
             self._comm, self.directory, step, pieces, self._manager_or_raise
         )
 
-        def start() -> None:
+        def check_new() -> Any:
             manager = self._manager_or_raise()
             if step in manager.all_steps():
                 msg = (
@@ -210,11 +238,21 @@ class CheckpointManager:
                     "a damaged one, and its next save replaces it)."
                 )
                 raise RuntimeError(msg)
-            self._write = _background.Write(
-                step, lambda: write_step(manager, step, host, entry), self.directory, _kind
-            )
+            return manager
 
-        self._on_writer(start, doing)
+        manager = self._on_writer(check_new, doing)
+        if held is None:
+            if self._writer:
+                self._write = _background.Write(
+                    step, lambda: write_step(manager, step, host, entry), self.directory, _kind
+                )
+        else:
+            work = _compare_then_write(
+                compare_comm, held, step, doing, (manager, entry) if self._writer else None
+            )
+            del held  # the thread's work holds the copy, and frees it when it ends
+            watch = self.directory if self._writer else None
+            self._write = _background.Write(step, work, watch, _kind)
         self._in_flight = step
         _background.in_flight(self)
         if not self._background:
@@ -352,11 +390,16 @@ class CheckpointManager:
         try:
             self._settle()
         finally:
-            if self._writer and self._manager is not None:
-                manager, self._manager = self._manager, None
-                self._on_writer(manager.close, "close the checkpoint manager")
-            else:
-                self._on_writer(lambda: None, "close the checkpoint manager")
+            try:
+                if self._writer and self._manager is not None:
+                    manager, self._manager = self._manager, None
+                    self._on_writer(manager.close, "close the checkpoint manager")
+                else:
+                    self._on_writer(lambda: None, "close the checkpoint manager")
+            finally:
+                if self._compare_comm is not None:  # no save in flight uses it now
+                    compare_comm, self._compare_comm = self._compare_comm, None
+                    compare_comm.Free()
 
     def __enter__(self) -> Self:
         return self
@@ -387,11 +430,47 @@ _COLLECTIVE = (
 )
 
 
+def _threads_may_talk() -> bool:
+    """Whether MPI lets a thread other than the main one make calls beside it."""
+    MPI = _world.mpi()
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def _compare_then_write(comm: Communicator, held: tuple[Any, replicated.Refusal | None],
+                        step: int, doing: str, write: tuple[Any, dict[str, Any]] | None,
+                        ) -> Callable[[], None]:  # fmt: skip
+    """The work of a background save's thread on every rank: compare this rank's host copy
+    with the others' (a collective on ``comm``, which this save alone uses), then, on the
+    writer (``write``: Orbax's manager and the step's metadata entry), write it. A refusal
+    writes nothing (and removes the step's slices, written before) and is raised by the
+    manager's next call on every rank, as the writer's error."""
+    box = [held]  # emptied once compared: a rank that does not write frees its copy then
+
+    def work() -> None:
+        host, error = box.pop()
+        refusal = replicated.compare(comm, host, error, step=step, doing=doing)
+        if write is None:
+            return  # the writer, which compared the same, reports the outcome
+        manager, entry = write
+        if refusal is not None:
+            remove_leftovers(manager)  # the slices of a step that Orbax will never list
+            raise replicated.Refused(*refusal)
+        write_step(manager, step, host, entry)
+
+    return work
+
+
 def _kind(error: BaseException) -> str:
+    if isinstance(error, replicated.Refused):
+        return f"refused {error.kind.__name__}"
     if isinstance(error, DamagedCheckpointError):
         return "damaged"
     return "invalid" if isinstance(error, ValueError) else "other"
 
+
+_REFUSED: dict[str, type[Exception]] = {
+    f"refused {kind.__name__}": kind for kind in (ValueError, TimeoutError, RuntimeError)
+}  # a background save's comparison, raised with its message as it is
 
 _ERRORS: dict[str, type[Exception]] = {
     "damaged": DamagedCheckpointError,
