@@ -1,9 +1,11 @@
-"""A save in flight: the host copy it writes, the thread that writes it, and its outcome.
+"""A save in flight: the host copy it writes, the thread that compares and writes it, and
+its outcome.
 
 The state is copied to host memory on the calling thread, before ``save`` returns, so that
-what is written is what was passed, whatever the loop does to its arrays afterwards (a
-donated buffer, an in-place update). The write runs on a daemon thread: the manager's next
-call, or :func:`settle_at_exit`, waits for it. While it runs, a second thread counts its
+what is compared and written is what was passed, whatever the loop does to its arrays
+afterwards (a donated buffer, an in-place update). The work (every rank: the comparison of
+the ranks' copies; the writer: then the write) runs on a daemon thread, which drops the
+copy when it ends: the manager's next call, or :func:`settle_at_exit`, waits for it. While it runs, a second thread counts its
 progress (the bytes in the checkpoint directory's temporary folders growing) for the stall
 inspector, so a rank waiting for a long write that moves is not reported, and one waiting
 for a write that stopped is.

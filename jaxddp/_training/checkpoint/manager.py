@@ -7,7 +7,9 @@ first rank of the communicator does all file I/O with a single-process Orbax
 ``CheckpointManager``; the others learn its outcome, an error included, so that every rank
 raises the same error and none waits forever. A save copies the state to host memory and
 returns; the write goes on in a thread (:mod:`.background`) and the manager's next call, on
-every rank, waits for it and raises its error. A restored state is read by that rank and
+every rank, waits for it and raises its error; the ranks' copies are compared on that thread before
+the writer writes, and a save whose ranks hold other values is refused the same way
+(:mod:`.replicated`). A restored state is read by that rank and
 broadcast, so the directory needs to be visible to it alone (a ``ShardedState``'s slices
 excepted: every rank writes its own before ``save`` returns, :mod:`.sharded`). Every saved
 array carries a CRC-32 of its bytes in the step's metadata; a restore verifies them on the
@@ -74,8 +76,10 @@ class CheckpointManager:
     target's kind). The ranks' states must be identical (after
     :func:`jaxddp.allreduce_gradients` and :func:`jaxddp.average_state` they are): the first
     rank's is the one saved, so a save where any rank holds other values (compared by
-    checksum; a ``ShardedState``'s slices, each rank's own, excepted) is refused on every
-    rank with a ValueError naming the entry.
+    fingerprint; a ``ShardedState``'s slices, each rank's own, excepted) is refused on every
+    rank with a ValueError naming the entry, and nothing of it is written. A background
+    save compares the ranks' host copies on its own thread, before the write: the refusal
+    comes from the manager's next call, as a failed write's error does.
 
     Needs ``orbax-checkpoint``: without it, ImportError (``pip install "jaxddp[checkpoint]"``).
 
@@ -190,12 +194,15 @@ class CheckpointManager:
         """Saves ``state`` (the first rank's) as checkpoint ``step``. Collective: every rank
         calls it.
 
-        Returns once the writing rank holds a copy of the state in host memory (the loop may
-        then change or donate its arrays: what is written is what was passed); the write
-        goes on in the background. The previous save is waited for first, and its error, if
-        it failed, is raised here on every rank (this save is then not made). With
-        ``background=False``, returns when the checkpoint is complete on disk, or raises
-        its error on every rank.
+        Returns once every rank holds a copy of its state in host memory (the loop may then
+        change or donate its arrays: what is compared and written is what was passed); the
+        ranks' copies are compared (a fingerprint of every leaf, one allgather) and the
+        writer's is written in the background. The previous save is waited for first, and
+        its error, if it failed or its ranks' states differed, is raised here on every rank
+        (this save is then not made). With ``background=False`` (or an MPI without
+        ``MPI_THREAD_MULTIPLE``, where only the main thread may talk) the states are
+        compared here, before ``save`` returns; with ``background=False``, it returns when
+        the checkpoint is complete on disk, or raises its error on every rank.
 
         A step is saved once, except one that :meth:`restore` found damaged (and skipped):
         its folder is moved aside to ``<step>.damaged`` (named in a RuntimeWarning on every

@@ -1,11 +1,18 @@
 """A checkpoint holds the first rank's state alone and a restore gives it to every rank, so
 what is saved must be the same on every rank. Before anything is written, every rank
-computes a fingerprint of each leaf where it lies (in host memory: NumPy reads a CPU
-array's buffer without a copy) and one small allgather compares them. A leaf that differs is
-refused on every rank, naming its path and the ranks that hold other values: a sharded
-optimizer's state flattened by ``nnx.state`` (each rank's slices, no longer marked as such),
-a per-rank value saved as if replicated. The slices of a :class:`~jaxddp.ShardedState`,
-which differ by design, are split off before (each rank saves its own) and not compared.
+computes a fingerprint of each leaf and one small allgather compares them. A leaf that
+differs is refused on every rank, naming its path and the ranks that hold other values: a
+sharded optimizer's state flattened by ``nnx.state`` (each rank's slices, no longer marked
+as such), a per-rank value saved as if replicated. The slices of a
+:class:`~jaxddp.ShardedState`, which differ by design, are split off before (each rank
+saves its own) and not compared.
+
+Where: a background save (the manager's default) takes every rank's host copy on the
+caller's thread (:func:`hold`) and compares the copies on the save's own thread
+(:func:`compare`, on a communicator that only that thread uses, under
+``MPI_THREAD_MULTIPLE``), before the writer writes; the manager's next call raises a
+refusal on every rank. A blocking save compares the state where it lies, in ``save``
+(:func:`same_on_every_rank`: NumPy reads a CPU array's buffer without a copy).
 
 The fingerprint reads the leaf's bytes as 64-bit words laid out in rows of
 :data:`COLUMNS` and sums them (modulo 2**64) along the columns and along the rows: any
