@@ -64,14 +64,14 @@ class Refused(Exception):
 
 
 def same_on_every_rank(comm: Communicator, tree: Any, *, step: int, doing: str,
-                       copy: bool) -> Any:  # fmt: skip
+                       copy: bool, into: Any = None) -> Any:  # fmt: skip
     """Compares every rank's ``tree`` (a storable state, its slices split off) on the
     caller's thread; collective.
 
     Returns what this rank holds to write: its host copy of ``tree`` when ``copy``, else
     ``tree`` (the fingerprints are taken of the copy: a device's array crosses to the host
-    once). Raises on every rank what :func:`compare` returns."""
-    held, error = hold(tree, copy=copy)
+    once; ``into``: see :func:`hold`). Raises on every rank what :func:`compare` returns."""
+    held, error = hold(tree, copy=copy, into=into)
     refusal = compare(comm, held, error, step=step, doing=doing)
     if refusal is not None:
         kind, msg = refusal
@@ -79,12 +79,13 @@ def same_on_every_rank(comm: Communicator, tree: Any, *, step: int, doing: str,
     return held
 
 
-def hold(tree: Any, *, copy: bool) -> tuple[Any, Refusal | None]:
+def hold(tree: Any, *, copy: bool, into: Any = None) -> tuple[Any, Refusal | None]:
     """``(held, error)``: this rank's host copy of ``tree`` when ``copy`` (else ``tree``
-    itself), and the error that made it fail, if any, for :func:`compare` to report on
-    every rank; local."""
+    itself; ``into``: an earlier copy whose buffers it may reuse, see
+    :func:`.background.host_copy`), and the error that made it fail, if any, for
+    :func:`compare` to report on every rank; local."""
     try:
-        return (host_copy(tree) if copy else tree), None
+        return (host_copy(tree, into) if copy else tree), None
     except Exception as e:  # noqa: BLE001 - reported on every rank by compare()
         return tree, _error(e)
 
