@@ -24,8 +24,10 @@ thread computes on every rank before its allgather (and the writer before writin
 ``loop``: a loop of ``--every`` jitted steps that update the state in place (donated) and
 reduce a scalar across the ranks (:func:`make_step`), without saves (``loop``) and with a
 background ``save`` at its first step (``loop+save``; the period ends when its write has
-too). Target: ``loop+save`` at most 1.05x ``loop`` (``loop_ratio``). ``--every 0`` leaves
-the loop out.
+too). Target: ``loop+save`` at most 1.05x ``loop`` (``loop_ratio``). ``loop+unchecked save``
+(``loop_ratio_unchecked``): the same with the ranks' comparison left out on every rank
+(patched here, for this measure alone), so that the difference is what the check costs the
+loop. ``--every 0`` leaves the loop out.
 """
 
 from __future__ import annotations
@@ -134,22 +136,30 @@ def main() -> None:
     for _ in range(3):
         loop_state = train(loop_state)
     jax.block_until_ready(loop_state)
-    loops: dict[str, list[float]] = {"loop": [], "loop+save": []} if args.every > 0 else {}
+    loop_names = ("loop", "loop+save", "loop+unchecked save")
+    loops: dict[str, list[float]] = {k: [] for k in loop_names} if args.every > 0 else {}
+    compare = _replicated.compare
     saved = 0
 
     def period(name: str) -> float:
         """Seconds per step of one period of the loop, its save's write included."""
         nonlocal loop_state, saved
+        # the unchecked save: the same, its ranks' comparison left out on every rank (no
+        # fingerprints, no allgather), to tell what the check costs the loop
+        unchecked = name == "loop+unchecked save"
+        _replicated.compare = (lambda *a, **k: None) if unchecked else compare
         start = time.perf_counter()
         for i in range(args.every):
-            if i == 0 and name == "loop+save":
+            if i == 0 and name != "loop":
                 saved += 1
                 looping.save(saved, loop_state)
             loop_state = train(loop_state)
         jax.block_until_ready(loop_state)
-        if name == "loop+save":
+        if name != "loop":
             looping.wait_until_finished()
-        return (time.perf_counter() - start) / args.every
+        took = (time.perf_counter() - start) / args.every
+        _replicated.compare = compare
+        return took
 
     for step in range(args.repeats + 1):  # the first round warms up
         names = [*fns, *loops]
@@ -197,8 +207,13 @@ def main() -> None:
         step_s = {name: float(np.median(s)) for name, s in loops.items()}
         result.update(
             every=args.every,
-            loop_step_s={"none": step_s["loop"], "background": step_s["loop+save"]},
+            loop_step_s={
+                "none": step_s["loop"],
+                "background": step_s["loop+save"],
+                "background_unchecked": step_s["loop+unchecked save"],
+            },
             loop_ratio=step_s["loop+save"] / step_s["loop"],
+            loop_ratio_unchecked=step_s["loop+unchecked save"] / step_s["loop"],
         )
     result["samples"] = {**samples, **loops}
     if rank == 0:
