@@ -3,6 +3,8 @@ in one process: every change a rank's copy of a replicated leaf may have is seen
 copy it is taken of reuses the last copy's buffers. On real ranks: tests/mpi/test_checkpoint.py
 and tests/mpi/test_sharded.py."""
 
+import copy
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -84,3 +86,7 @@ def test_a_host_copy_reuses_an_earlier_copys_buffers_and_holds_the_new_values():
     np.testing.assert_array_equal(held["w"], np.arange(6.0) + 1)
     other, _ = hold({"x": np.arange(6.0)}, copy=True, into=earlier)  # another structure
     assert other["x"] is not earlier["w"]
+    # the save's own: Orbax's guard against a caller changing it (a deep copy of every
+    # host array, the whole state again) keeps it as it is; the caller's arrays are copied
+    assert copy.deepcopy(held["w"]) is held["w"]
+    assert copy.deepcopy(state["w"]) is not state["w"]

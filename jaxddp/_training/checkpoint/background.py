@@ -28,17 +28,28 @@ from ..._base import exit as _exit
 from ..._base import progress as _progress
 from ..._runtime import watchdog as _watchdog
 
-__all__ = ["Write", "host_copy", "in_flight", "settle_at_exit", "settled"]
+__all__ = ["HostCopy", "Write", "host_copy", "in_flight", "settle_at_exit", "settled"]
 
 LOOK = 1.0  # seconds between two looks at the write's progress
 _NO_THREADS = "can't create new thread at interpreter shutdown"  # Python 3.12's words
+
+
+class HostCopy(np.ndarray):
+    """An array of a save's own host copy: nothing else holds it, and nothing writes it
+    until the save is settled. Orbax deep-copies every host array it is given before it
+    writes (a guard against the caller changing it meanwhile): for these it is the array
+    itself, not a second copy of the whole state (for 92 MB, 135 ms of the write's
+    300 ms of CPU)."""
+
+    def __deepcopy__(self, memo: Any) -> HostCopy:
+        return self
 
 
 def _leaf_copy(leaf: Any, into: Any = None) -> Any:
     if isinstance(leaf, jax.Array):
         host = np.asarray(leaf)  # a GPU's array: a fresh host copy; a CPU's: XLA's buffer
         on_cpu = all(device.platform == "cpu" for device in leaf.devices())
-        return _copy(host, into) if on_cpu else host
+        return _copy(host, into) if on_cpu else host.view(HostCopy)
     if isinstance(leaf, np.ndarray):
         return _copy(leaf, into)
     return leaf  # Python numbers, NumPy scalars: immutable
@@ -54,8 +65,8 @@ def _copy(array: np.ndarray, into: Any) -> np.ndarray:
         and into.flags.writeable
     ):
         np.copyto(into, array)
-        return into
-    return array.copy()
+        return into if isinstance(into, HostCopy) else into.view(HostCopy)
+    return array.copy().view(HostCopy)
 
 
 def host_copy(tree: Any, into: Any = None) -> Any:
