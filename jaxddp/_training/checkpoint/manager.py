@@ -59,8 +59,9 @@ class CheckpointManager:
     ``JAXDDP_CHECK_TIMEOUT`` seconds or half of ``JAXDDP_STALL_ABORT``). The first rank writes (Orbax's atomic finalize: a crash or a
     ``kill -9`` during a save leaves the previous checkpoints intact and loadable).
 
-    ``save`` returns once the writing rank holds its own copy of the state in host memory;
-    the write goes on in the background while the loop trains. At most one save is in
+    ``save`` returns once every rank holds its own copy of the state in host memory (kept
+    for the next save to copy into, until ``close``); the ranks' comparison and the write
+    go on in the background while the loop trains. At most one save is in
     flight: the manager's next call (``save``, ``restore``, ``all_steps``,
     ``latest_step``, :meth:`wait_until_finished`, ``close``) waits for it first, on every
     rank, and raises its error there, on every rank, as the type a blocking save raises
