@@ -31,19 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxddp
-from benchmarks.bench_checkpoint import make_state, report
+from benchmarks.bench_checkpoint import make_state, make_step, report
 from jaxddp._collectives import api as _comm
-
-
-def make_step():
-    def step(state):
-        arrays = {k: state[k] for k in ("params", "mu", "nu")}
-        total = sum(jnp.sum(v[:1]) for v in jax.tree.leaves(arrays["params"]))
-        lockstep = jaxddp.allreduce(total, op="mean") * 1e-9
-        arrays = jax.tree.map(lambda v: v * 0.999 + lockstep, arrays)
-        return {**state, **arrays, "step": state["step"] + 1}
-
-    return jax.jit(step, donate_argnums=0)
 
 
 def main() -> None:

@@ -85,9 +85,19 @@ def test_saved_by_one_rank_restored_identical_on_every_rank(directory):
             np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.parametrize("differs", ["everything", "a number", "one element"])
-def test_a_state_that_differs_between_ranks_is_refused_on_every_rank(directory, differs):
-    # It used to save rank 0's alone, and a restore gave every rank rank 0's values.
+@pytest.mark.parametrize(
+    ("differs", "next_call"),
+    [
+        ("everything", "wait_until_finished"),
+        ("a number", "save"),
+        ("one element", "close"),
+        ("one element", "blocking"),
+    ],
+)
+def test_a_state_that_differs_between_ranks_is_refused_on_every_rank(directory, differs, next_call):
+    # It used to save rank 0's alone, and a restore gave every rank rank 0's values. A
+    # background save compares the ranks' copies behind `save`: the manager's next call
+    # raises; a blocking one (`background=False`) raises in `save` itself.
     state = _state(seed=3)
     if differs == "everything":
         state = _state(seed=3 + rank)
@@ -101,17 +111,33 @@ def test_a_state_that_differs_between_ranks_is_refused_on_every_rank(directory, 
         if differs == "one element" or size == 2
         else ("ranks 1, 2 and 3 hold")
     )
-    with jaxddp.CheckpointManager(directory) as ckpt:
-        with pytest.raises(ValueError, match=r"Could not save checkpoint 1 in") as info:
+    ckpt = jaxddp.CheckpointManager(directory, background=next_call != "blocking")
+    calls = {
+        "wait_until_finished": ckpt.wait_until_finished,
+        "save": lambda: ckpt.save(2, _state(seed=3)),  # not made: the refusal comes first
+        "close": ckpt.close,
+    }
+    if next_call == "blocking":
+        with pytest.raises(ValueError, match=r"^Could not save checkpoint 1 in") as info:
             ckpt.save(1, state)
-        text = str(info.value)
-        assert f"differs between ranks at `{first[differs]}" in text, text
-        assert f"{others} other values there than rank 0" in text, text
-        assert ("more leaves" in text) == (differs == "everything"), text
-        assert "`nnx.state(optimizer)`" in text
-        assert ckpt.all_steps() == []  # nothing written
-        ckpt.save(1, _state(seed=3))  # the same state on every rank: saved
-        assert ckpt.all_steps() == [1]
+    else:
+        ckpt.save(1, state)  # returns with the copies: they are compared behind it
+        with pytest.raises(ValueError, match=r"^Could not save checkpoint 1 in") as info:
+            calls[next_call]()
+    text = str(info.value)
+    assert f"differs between ranks at `{first[differs]}" in text, text
+    assert f"{others} other values there than rank 0" in text, text
+    assert ("more leaves" in text) == (differs == "everything"), text
+    assert "`nnx.state(optimizer)`" in text
+    assert WORLD.allgather(text) == [text] * size  # the same error on every rank
+    if next_call == "close":
+        assert ckpt._manager is None  # released all the same
+        ckpt = jaxddp.CheckpointManager(directory)
+    assert ckpt.all_steps() == []  # nothing written
+    assert WORLD.bcast(os.listdir(directory) if rank == 0 else None) == []  # nor left half
+    ckpt.save(1, _state(seed=3))  # the same state on every rank: saved
+    assert ckpt.all_steps() == [1]
+    ckpt.close()
     assert WORLD.bcast(sorted(os.listdir(directory)) if rank == 0 else None) == ["1"]
 
 

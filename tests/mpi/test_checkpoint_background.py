@@ -73,7 +73,9 @@ def test_what_is_written_is_what_was_passed_whatever_the_loop_does_after(directo
     with jaxddp.CheckpointManager(directory) as ckpt:
         ckpt.save(1, {"params": params, "host": host})
         params = step(params)  # the saved buffer donated and overwritten
-        host[:] = -1.0  # a NumPy leaf changed in place
+        # a NumPy leaf changed in place, to another value on each rank: the ranks' states
+        # are compared behind `save`, and what they compare is what was passed
+        host[:] = -1.0 - rank
         jax.block_until_ready(params)
         target = {"params": {"w": jnp.zeros_like(params["w"])}, "host": np.zeros_like(host)}
         restored = ckpt.restore(1, target)

@@ -263,10 +263,12 @@ def test_a_sharded_state_saved_as_nnx_state_of_the_optimizer_is_refused_on_every
     # slices: it used to be saved as rank 0's alone, and restored, every rank held those.
     model, optimizer = _train_nnx(jaxddp.shard_optimizer(optax.adam(1e-3)), 1, 3, True)
     with jaxddp.CheckpointManager(directory) as ckpt:
-        with pytest.raises(ValueError, match=r"Could not save checkpoint 1 in") as info:
-            ckpt.save(1, {"model": model, "opt": nnx.state(optimizer)})
+        ckpt.save(1, {"model": model, "opt": nnx.state(optimizer)})  # compared behind it
+        with pytest.raises(ValueError, match=r"^Could not save checkpoint 1 in") as info:
+            ckpt.wait_until_finished()
         text = str(info.value)
         assert "differs between ranks at `['opt']['opt_state']['inner']" in text, text
+        assert WORLD.allgather(text) == [text] * size  # the same error on every rank
         assert "save `optimizer.opt_state`" in text
         assert ckpt.all_steps() == []
         ckpt.save(1, {"model": model, "opt": optimizer.opt_state})  # as the docs say

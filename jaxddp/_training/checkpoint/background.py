@@ -1,9 +1,11 @@
-"""A save in flight: the host copy it writes, the thread that writes it, and its outcome.
+"""A save in flight: the host copy it writes, the thread that compares and writes it, and
+its outcome.
 
 The state is copied to host memory on the calling thread, before ``save`` returns, so that
-what is written is what was passed, whatever the loop does to its arrays afterwards (a
-donated buffer, an in-place update). The write runs on a daemon thread: the manager's next
-call, or :func:`settle_at_exit`, waits for it. While it runs, a second thread counts its
+what is compared and written is what was passed, whatever the loop does to its arrays
+afterwards (a donated buffer, an in-place update). The work (every rank: the comparison of
+the ranks' copies; the writer: then the write) runs on a daemon thread, which drops the
+copy when it ends: the manager's next call, or :func:`settle_at_exit`, waits for it. While it runs, a second thread counts its
 progress (the bytes in the checkpoint directory's temporary folders growing) for the stall
 inspector, so a rank waiting for a long write that moves is not reported, and one waiting
 for a write that stopped is.
@@ -26,30 +28,65 @@ from ..._base import exit as _exit
 from ..._base import progress as _progress
 from ..._runtime import watchdog as _watchdog
 
-__all__ = ["Write", "host_copy", "in_flight", "settle_at_exit", "settled"]
+__all__ = ["HostCopy", "Write", "host_copy", "in_flight", "settle_at_exit", "settled"]
 
 LOOK = 1.0  # seconds between two looks at the write's progress
 _NO_THREADS = "can't create new thread at interpreter shutdown"  # Python 3.12's words
 
 
-def _leaf_copy(leaf: Any) -> Any:
+class HostCopy(np.ndarray):
+    """An array of a save's own host copy: nothing else holds it, and nothing writes it
+    until the save is settled. Orbax deep-copies every host array it is given before it
+    writes (a guard against the caller changing it meanwhile): for these it is the array
+    itself, not a second copy of the whole state (for 92 MB, 135 ms of the write's
+    300 ms of CPU)."""
+
+    def __deepcopy__(self, memo: Any) -> HostCopy:
+        return self
+
+
+def _leaf_copy(leaf: Any, into: Any = None) -> Any:
     if isinstance(leaf, jax.Array):
         host = np.asarray(leaf)  # a GPU's array: a fresh host copy; a CPU's: XLA's buffer
         on_cpu = all(device.platform == "cpu" for device in leaf.devices())
-        return host.copy() if on_cpu else host
+        return _copy(host, into) if on_cpu else host.view(HostCopy)
     if isinstance(leaf, np.ndarray):
-        return leaf.copy()
+        return _copy(leaf, into)
     return leaf  # Python numbers, NumPy scalars: immutable
 
 
-def host_copy(tree: Any) -> Any:
-    """``tree`` with every array leaf copied into host memory of its own."""
-    return jax.tree_util.tree_map(_leaf_copy, tree)
+def _copy(array: np.ndarray, into: Any) -> np.ndarray:
+    """``array`` copied into ``into`` where that is an array of its shape and dtype, else
+    into new memory."""
+    if (
+        isinstance(into, np.ndarray)
+        and into.shape == array.shape
+        and into.dtype == array.dtype
+        and into.flags.writeable
+    ):
+        np.copyto(into, array)
+        return into if isinstance(into, HostCopy) else into.view(HostCopy)
+    return array.copy().view(HostCopy)
+
+
+def host_copy(tree: Any, into: Any = None) -> Any:
+    """``tree`` with every array leaf copied into host memory of its own.
+
+    ``into``: an earlier copy of a tree of the same structure (or None), whose arrays
+    nothing uses any more: each array of the same shape and dtype is copied into its
+    buffer. A copy into fresh memory also pays for the kernel's zeroing of every new page,
+    about as long as the copy itself."""
+    tree_util = jax.tree_util
+    if into is not None and tree_util.tree_structure(into) == tree_util.tree_structure(tree):
+        return tree_util.tree_map(_leaf_copy, tree, into)
+    return tree_util.tree_map(_leaf_copy, tree)
 
 
 class Write:
     """One save's write, on a thread of its own; :meth:`wait` returns its error, if any, as
     ``(kind, text)`` where ``kind`` names the type to raise (see the manager's ``_ERRORS``).
+    ``watch``: the checkpoint directory on the rank that writes; None on a rank whose
+    thread only compares its copy with the others' (nothing to watch).
 
     A second thread looks at the write's temporary folders once a second and counts each
     change as progress for the stall inspector; it ends as soon as the write does, and
@@ -57,11 +94,12 @@ class Write:
     ``join``: a wait that polled would look like progress, and a write that stopped would
     never be reported."""
 
-    def __init__(self, step: int, work: Callable[[], None], watch: str,
+    def __init__(self, step: int, work: Callable[[], None], watch: str | None,
                  kind: Callable[[BaseException], str]) -> None:  # fmt: skip
         self.step = step
         self.error: tuple[str, str] | None = None
-        self._work, self._watch, self._kind = work, watch, kind
+        self._work: Callable[[], None] | None = work
+        self._watch, self._kind = watch, kind
         self._finished = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"jaxddp checkpoint {step}", daemon=True
@@ -70,20 +108,29 @@ class Write:
             target=self._count_progress, name=f"jaxddp checkpoint {step} progress", daemon=True
         )
         self._thread.start()
-        self._counter.start()
+        if watch is not None:
+            self._counter.start()
 
     def _run(self) -> None:
         try:
-            self._work()
+            if self._work is not None:
+                self._work()
         except BaseException as e:  # noqa: BLE001 - reported by wait(), on every rank
-            self.error = (self._kind(e), f"{type(e).__name__}: {e}")
+            # an error whose message is whole (``as_is``: it names the step and the
+            # ranks itself) is raised as it is; any other names its type
+            text = str(e) if getattr(e, "as_is", False) else f"{type(e).__name__}: {e}"
+            self.error = (self._kind(e), text)
         finally:
+            self._work = None  # what it held (the host copy) is freed now, not at the wait
             self._finished.set()
 
     def _count_progress(self) -> None:
-        seen = _bytes_under(self._watch)
+        watch = self._watch
+        if watch is None:
+            return
+        seen = _bytes_under(watch)
         while not self._finished.wait(LOOK):
-            now = _bytes_under(self._watch)
+            now = _bytes_under(watch)
             if now != seen:
                 seen = now
                 _progress.note(f"writing checkpoint {self.step}")
@@ -96,7 +143,8 @@ class Write:
         at most one look later; returns the write's error, if any. Neither thread is left
         running once a save is settled."""
         self._thread.join()
-        self._counter.join()
+        if self._counter.ident is not None:
+            self._counter.join()
         return self.error
 
 

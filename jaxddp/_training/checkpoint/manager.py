@@ -7,7 +7,9 @@ first rank of the communicator does all file I/O with a single-process Orbax
 ``CheckpointManager``; the others learn its outcome, an error included, so that every rank
 raises the same error and none waits forever. A save copies the state to host memory and
 returns; the write goes on in a thread (:mod:`.background`) and the manager's next call, on
-every rank, waits for it and raises its error. A restored state is read by that rank and
+every rank, waits for it and raises its error; the ranks' copies are compared on that thread before
+the writer writes, and a save whose ranks hold other values is refused the same way
+(:mod:`.replicated`). A restored state is read by that rank and
 broadcast, so the directory needs to be visible to it alone (a ``ShardedState``'s slices
 excepted: every rank writes its own before ``save`` returns, :mod:`.sharded`). Every saved
 array carries a CRC-32 of its bytes in the step's metadata; a restore verifies them on the
@@ -20,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any, Self
 
 import jax
@@ -30,7 +33,15 @@ from ..._runtime import world as _world
 from ..._types import Communicator
 from . import background as _background
 from . import replicated, sharded
-from .steps import check_step, move_aside, open_orbax, read_step, require_orbax, write_step
+from .steps import (
+    check_step,
+    move_aside,
+    open_orbax,
+    read_step,
+    remove_leftovers,
+    require_orbax,
+    write_step,
+)
 from .trees import DamagedCheckpointError, restored_like, to_storable
 
 __all__ = ["CheckpointManager", "DamagedCheckpointError"]
@@ -48,8 +59,9 @@ class CheckpointManager:
     ``JAXDDP_CHECK_TIMEOUT`` seconds or half of ``JAXDDP_STALL_ABORT``). The first rank writes (Orbax's atomic finalize: a crash or a
     ``kill -9`` during a save leaves the previous checkpoints intact and loadable).
 
-    ``save`` returns once the writing rank holds its own copy of the state in host memory;
-    the write goes on in the background while the loop trains. At most one save is in
+    ``save`` returns once every rank holds its own copy of the state in host memory (kept
+    for the next save to copy into, until ``close``); the ranks' comparison and the write
+    go on in the background while the loop trains. At most one save is in
     flight: the manager's next call (``save``, ``restore``, ``all_steps``,
     ``latest_step``, :meth:`wait_until_finished`, ``close``) waits for it first, on every
     rank, and raises its error there, on every rank, as the type a blocking save raises
@@ -65,8 +77,10 @@ class CheckpointManager:
     target's kind). The ranks' states must be identical (after
     :func:`jaxddp.allreduce_gradients` and :func:`jaxddp.average_state` they are): the first
     rank's is the one saved, so a save where any rank holds other values (compared by
-    checksum; a ``ShardedState``'s slices, each rank's own, excepted) is refused on every
-    rank with a ValueError naming the entry.
+    fingerprint; a ``ShardedState``'s slices, each rank's own, excepted) is refused on every
+    rank with a ValueError naming the entry, and nothing of it is written. A background
+    save compares the ranks' host copies on its own thread, before the write: the refusal
+    comes from the manager's next call, as a failed write's error does.
 
     Needs ``orbax-checkpoint``: without it, ImportError (``pip install "jaxddp[checkpoint]"``).
 
@@ -101,6 +115,9 @@ class CheckpointManager:
         require_orbax()  # on every rank, before any rank waits for the others
         self._background = background
         self._write: _background.Write | None = None  # the writer's save in flight
+        # the last save's host copy: the next save copies into its buffers once that save
+        # is settled (no fresh pages to fault in and zero: about half the copy's time)
+        self._spare: Any = None
         self._in_flight: int | None = None  # its step, on every rank
         self._user_comm, self._comm = comm, _world.check_comm(comm)
         self._writer = self._comm.Get_rank() == _ROOT
@@ -108,6 +125,12 @@ class CheckpointManager:
         self._manager: Any = None
         self._damaged: set[int] = set()  # steps that restore found damaged, on every rank
         self._meet("CheckpointManager(...)")
+        # Background saves compare the ranks' states on their own thread, beside the loop's
+        # collectives: on a communicator of their own, which needs MPI_THREAD_MULTIPLE
+        # (jaxddp starts MPI with it). Without it, ``save`` compares them itself.
+        self._compare_comm: Any = None
+        if background and self._comm.Get_size() > 1 and _threads_may_talk():
+            self._compare_comm = self._comm.Dup()
         self._manager = self._on_writer(
             lambda: open_orbax(self.directory, max_to_keep),
             f"open the checkpoint directory {self.directory!r}",
@@ -135,6 +158,8 @@ class CheckpointManager:
         error = self._comm.bcast(error, root=_ROOT)
         if error is not None:
             kind, text = error
+            if kind in _REFUSED:  # the ranks' comparison: the same whole message everywhere
+                raise _REFUSED[kind](text)
             where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
             msg = f"Could not {doing}{where}: {text}"
             raise _ERRORS[kind](msg)
@@ -173,12 +198,15 @@ class CheckpointManager:
         """Saves ``state`` (the first rank's) as checkpoint ``step``. Collective: every rank
         calls it.
 
-        Returns once the writing rank holds a copy of the state in host memory (the loop may
-        then change or donate its arrays: what is written is what was passed); the write
-        goes on in the background. The previous save is waited for first, and its error, if
-        it failed, is raised here on every rank (this save is then not made). With
-        ``background=False``, returns when the checkpoint is complete on disk, or raises
-        its error on every rank.
+        Returns once every rank holds a copy of its state in host memory (the loop may then
+        change or donate its arrays: what is compared and written is what was passed); the
+        ranks' copies are compared (a fingerprint of every leaf, one allgather) and the
+        writer's is written in the background. The previous save is waited for first, and
+        its error, if it failed or its ranks' states differed, is raised here on every rank
+        (this save is then not made). With ``background=False`` (or an MPI without
+        ``MPI_THREAD_MULTIPLE``, where only the main thread may talk) the states are
+        compared here, before ``save`` returns; with ``background=False``, it returns when
+        the checkpoint is complete on disk, or raises its error on every rank.
 
         A step is saved once, except one that :meth:`restore` found damaged (and skipped):
         its folder is moved aside to ``<step>.damaged`` (named in a RuntimeWarning on every
@@ -192,17 +220,30 @@ class CheckpointManager:
             self._replace_damaged(step)
         doing = f"save checkpoint {step} in {self.directory!r}"
         tree, pieces = sharded.split_state(self._comm, storable, step)  # the slices: apart
-        # the same on every rank where it must be (the slices aside), or refused on every
-        # rank before anything is written; the writer holds its host copy
-        host = replicated.same_on_every_rank(
-            self._comm, tree, step=step, doing=doing, copy=self._writer and self._background
-        )
+        compare_comm = self._compare_comm
+        host: Any = None
+        held: tuple[Any, replicated.Refusal | None] | None = None
+        if compare_comm is None:
+            # compared here, before anything is written: the same on every rank where it
+            # must be (the slices aside), or refused on every rank; the writer holds its
+            # host copy
+            copy = self._writer and self._background
+            host = replicated.same_on_every_rank(
+                self._comm, tree, step=step, doing=doing, copy=copy, into=self._spare
+            )
+            self._spare = host if copy else None
+        else:
+            # every rank copies its state to host memory and returns; the copies are
+            # compared on the save's own thread before the writer writes, and a refusal
+            # is raised by the next call (_settle), on every rank
+            held = replicated.hold(tree, copy=True, into=self._spare)
+            self._spare = held[0] if held[1] is None else None
         # a ShardedState's slices: written by every rank, complete before Orbax lists the step
         entry = sharded.save_slices(
             self._comm, self.directory, step, pieces, self._manager_or_raise
         )
 
-        def start() -> None:
+        def check_new() -> Any:
             manager = self._manager_or_raise()
             if step in manager.all_steps():
                 msg = (
@@ -210,11 +251,21 @@ class CheckpointManager:
                     "a damaged one, and its next save replaces it)."
                 )
                 raise RuntimeError(msg)
-            self._write = _background.Write(
-                step, lambda: write_step(manager, step, host, entry), self.directory, _kind
-            )
+            return manager
 
-        self._on_writer(start, doing)
+        manager = self._on_writer(check_new, doing)
+        if held is None:
+            if self._writer:
+                self._write = _background.Write(
+                    step, lambda: write_step(manager, step, host, entry), self.directory, _kind
+                )
+        else:
+            work = _compare_then_write(
+                compare_comm, held, step, doing, (manager, entry) if self._writer else None
+            )
+            del held
+            watch = self.directory if self._writer else None
+            self._write = _background.Write(step, work, watch, _kind)
         self._in_flight = step
         _background.in_flight(self)
         if not self._background:
@@ -352,11 +403,17 @@ class CheckpointManager:
         try:
             self._settle()
         finally:
-            if self._writer and self._manager is not None:
-                manager, self._manager = self._manager, None
-                self._on_writer(manager.close, "close the checkpoint manager")
-            else:
-                self._on_writer(lambda: None, "close the checkpoint manager")
+            try:
+                if self._writer and self._manager is not None:
+                    manager, self._manager = self._manager, None
+                    self._on_writer(manager.close, "close the checkpoint manager")
+                else:
+                    self._on_writer(lambda: None, "close the checkpoint manager")
+            finally:
+                self._spare = None
+                if self._compare_comm is not None:  # no save in flight uses it now
+                    compare_comm, self._compare_comm = self._compare_comm, None
+                    compare_comm.Free()
 
     def __enter__(self) -> Self:
         return self
@@ -372,6 +429,7 @@ class CheckpointManager:
     def _release_alone(self) -> None:
         """Finishes this rank's write and releases Orbax here alone."""
         self._wait_alone()
+        self._spare = None
         if self._manager is not None:
             manager, self._manager = self._manager, None
             with contextlib.suppress(Exception):
@@ -387,11 +445,47 @@ _COLLECTIVE = (
 )
 
 
+def _threads_may_talk() -> bool:
+    """Whether MPI lets a thread other than the main one make calls beside it."""
+    MPI = _world.mpi()
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def _compare_then_write(comm: Communicator, held: tuple[Any, replicated.Refusal | None],
+                        step: int, doing: str, write: tuple[Any, dict[str, Any]] | None,
+                        ) -> Callable[[], None]:  # fmt: skip
+    """The work of a background save's thread on every rank: compare this rank's host copy
+    with the others' (a collective on ``comm``, which this save alone uses), then, on the
+    writer (``write``: Orbax's manager and the step's metadata entry), write it. A refusal
+    writes nothing (and removes the step's slices, written before) and is raised by the
+    manager's next call on every rank, as the writer's error."""
+    box = [held]  # emptied once compared: a rank that does not write frees its copy then
+
+    def work() -> None:
+        host, error = box.pop()
+        refusal = replicated.compare(comm, host, error, step=step, doing=doing)
+        if write is None:
+            return  # the writer, which compared the same, reports the outcome
+        manager, entry = write
+        if refusal is not None:
+            remove_leftovers(manager)  # the slices of a step that Orbax will never list
+            raise replicated.Refused(*refusal)
+        write_step(manager, step, host, entry)
+
+    return work
+
+
 def _kind(error: BaseException) -> str:
+    if isinstance(error, replicated.Refused):
+        return f"refused {error.kind.__name__}"
     if isinstance(error, DamagedCheckpointError):
         return "damaged"
     return "invalid" if isinstance(error, ValueError) else "other"
 
+
+_REFUSED: dict[str, type[Exception]] = {
+    f"refused {kind.__name__}": kind for kind in (ValueError, TimeoutError, RuntimeError)
+}  # a background save's comparison, raised with its message as it is
 
 _ERRORS: dict[str, type[Exception]] = {
     "damaged": DamagedCheckpointError,

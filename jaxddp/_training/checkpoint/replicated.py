@@ -1,11 +1,18 @@
 """A checkpoint holds the first rank's state alone and a restore gives it to every rank, so
 what is saved must be the same on every rank. Before anything is written, every rank
-computes a fingerprint of each leaf where it lies (in host memory: NumPy reads a CPU
-array's buffer without a copy) and one small allgather compares them. A leaf that differs is
-refused on every rank, naming its path and the ranks that hold other values: a sharded
-optimizer's state flattened by ``nnx.state`` (each rank's slices, no longer marked as such),
-a per-rank value saved as if replicated. The slices of a :class:`~jaxddp.ShardedState`,
-which differ by design, are split off before (each rank saves its own) and not compared.
+computes a fingerprint of each leaf and one small allgather compares them. A leaf that
+differs is refused on every rank, naming its path and the ranks that hold other values: a
+sharded optimizer's state flattened by ``nnx.state`` (each rank's slices, no longer marked
+as such), a per-rank value saved as if replicated. The slices of a
+:class:`~jaxddp.ShardedState`, which differ by design, are split off before (each rank
+saves its own) and not compared.
+
+Where: a background save (the manager's default) takes every rank's host copy on the
+caller's thread (:func:`hold`) and compares the copies on the save's own thread
+(:func:`compare`, on a communicator that only that thread uses, under
+``MPI_THREAD_MULTIPLE``), before the writer writes; the manager's next call raises a
+refusal on every rank. A blocking save compares the state where it lies, in ``save``
+(:func:`same_on_every_rank`: NumPy reads a CPU array's buffer without a copy).
 
 The fingerprint reads the leaf's bytes as 64-bit words laid out in rows of
 :data:`COLUMNS` and sums them (modulo 2**64) along the columns and along the rows: any
@@ -28,46 +35,101 @@ from ..._types import Communicator
 from .background import host_copy
 from .trees import _by_path, _path_text
 
-__all__ = ["COLUMNS", "fingerprint", "same_on_every_rank"]
+__all__ = [
+    "COLUMNS",
+    "Refusal",
+    "Refused",
+    "compare",
+    "fingerprint",
+    "hold",
+    "same_on_every_rank",
+]
 
 COLUMNS = 1021  # words per row: a prime, so that a leaf's own rows rarely line up with them
 
 
+Refusal = tuple[type[Exception], str]
+"""Why a save is refused: the exception type to raise on every rank and its whole message."""
+
+
+class Refused(Exception):
+    """A :data:`Refusal` raised on a save's background thread, for the manager's next call
+    to raise as ``kind`` on every rank; its message is whole (``as_is``)."""
+
+    as_is = True
+
+    def __init__(self, kind: type[Exception], message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 def same_on_every_rank(comm: Communicator, tree: Any, *, step: int, doing: str,
-                       copy: bool) -> Any:  # fmt: skip
-    """Compares every rank's ``tree`` (a storable state, its slices split off); collective.
+                       copy: bool, into: Any = None) -> Any:  # fmt: skip
+    """Compares every rank's ``tree`` (a storable state, its slices split off) on the
+    caller's thread; collective.
 
     Returns what this rank holds to write: its host copy of ``tree`` when ``copy``, else
-    ``tree`` (the writer's fingerprints are taken of its copy: a device's array crosses to
-    the host once). Raises on every rank "Could not ``doing``": ValueError naming the first
-    leaf that differs between ranks, or the first rank's error (in rank order) where its
-    fingerprints could not be taken. A rank that does not come makes the others raise
-    TimeoutError within ``JAXDDP_CHECK_TIMEOUT`` seconds."""
-    held, mine, error = tree, None, None
+    ``tree`` (the fingerprints are taken of the copy: a device's array crosses to the host
+    once; ``into``: see :func:`hold`). Raises on every rank what :func:`compare` returns."""
+    held, error = hold(tree, copy=copy, into=into)
+    refusal = compare(comm, held, error, step=step, doing=doing)
+    if refusal is not None:
+        kind, msg = refusal
+        raise kind(msg)
+    return held
+
+
+def hold(tree: Any, *, copy: bool, into: Any = None) -> tuple[Any, Refusal | None]:
+    """``(held, error)``: this rank's host copy of ``tree`` when ``copy`` (else ``tree``
+    itself; ``into``: an earlier copy whose buffers it may reuse, see
+    :func:`.background.host_copy`), and the error that made it fail, if any, for
+    :func:`compare` to report on every rank; local."""
     try:
-        held = host_copy(tree) if copy else tree
-        if comm.Get_size() > 1:
+        return (host_copy(tree, into) if copy else tree), None
+    except Exception as e:  # noqa: BLE001 - reported on every rank by compare()
+        return tree, _error(e)
+
+
+def compare(comm: Communicator, held: Any, error: Refusal | None, *, step: int,
+            doing: str) -> Refusal | None:  # fmt: skip
+    """Fingerprints ``held`` (what :func:`hold` returned, ``error`` its error) and compares
+    every rank's in one small allgather; collective, on any thread (a background thread
+    needs ``MPI_THREAD_MULTIPLE`` and a communicator that no other thread uses meanwhile).
+
+    Returns the same on every rank: None where every rank holds the same values, else
+    ``(type, message)`` for "Could not ``doing``": ValueError naming the first leaf that
+    differs between ranks, or the first rank's error (in rank order) where its copy or its
+    fingerprints failed. A rank that does not come makes the others return TimeoutError
+    within ``JAXDDP_CHECK_TIMEOUT`` seconds."""
+    mine = None
+    if error is None and comm.Get_size() > 1:
+        try:
             mine = _fingerprints(held)
-    except Exception as e:  # noqa: BLE001 - reported on every rank below
-        kind = ValueError if isinstance(e, ValueError) else RuntimeError
-        error = (kind, f"{type(e).__name__}: {e}")
-    everyone = (
-        gather_with_deadline(
-            comm, (error, mine), what=f"state saved as checkpoint {step}", error=TimeoutError
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            error = _error(e)
+    try:
+        everyone = (
+            gather_with_deadline(
+                comm, (error, mine), what=f"state saved as checkpoint {step}", error=TimeoutError
+            )
+            if comm.Get_size() > 1
+            else [(error, [])]
         )
-        if comm.Get_size() > 1
-        else [(error, [])]
-    )
+    except TimeoutError as e:
+        return TimeoutError, f"Could not {doing}: {e}"
     for rank, (failed, _) in enumerate(everyone):
         if failed is not None:
             kind, text = failed
-            msg = f"Could not {doing} (on rank {rank}): {text}"
-            raise kind(msg)
+            return kind, f"Could not {doing} (on rank {rank}): {text}"
     differs = _difference([fingerprints for _, fingerprints in everyone])
     if differs is not None:
-        msg = f"Could not {doing}: {differs}"
-        raise ValueError(msg)
-    return held
+        return ValueError, f"Could not {doing}: {differs}"
+    return None
+
+
+def _error(e: Exception) -> Refusal:
+    kind = ValueError if isinstance(e, ValueError) else RuntimeError
+    return kind, f"{type(e).__name__}: {e}"
 
 
 def fingerprint(leaf: Any) -> Any:
