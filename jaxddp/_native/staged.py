@@ -16,16 +16,27 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from .._base import cuda as _cuda
 from .._base import settings as _settings
+from .kinds import KINDS as _TABLE
+from .kinds import Kind
 
-__all__ = ["DRIVER_FUNCTIONS", "FORCE_VARIABLE", "KINDS", "attributes", "load", "target"]
+__all__ = [
+    "DRIVER_FUNCTIONS",
+    "FORCE_VARIABLE",
+    "KINDS",
+    "attributes",
+    "disagreement",
+    "load",
+    "target",
+]
 
-KINDS = ("allreduce", "bcast", "reduce", "allgather", "alltoall")
+KINDS = tuple(_TABLE)  # one staged handler per kind of the table (kinds.py)
 DRIVER_FUNCTIONS = (
     "cuStreamGetCtx", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuMemcpyAsync",
     "cuStreamSynchronize", "cuMemHostAlloc", "cuMemFreeHost", "cuGetErrorName",
@@ -53,6 +64,24 @@ def attributes(library: ctypes.CDLL, kind: str) -> list[str]:
     return (function(kind.encode()) or b"").decode().split(",")
 
 
+def disagreement(
+    library: ctypes.CDLL, rows: dict[str, Kind] = _TABLE, unknown: Sequence[str] = ()
+) -> str | None:
+    """Where the handlers of ``library`` (``staged.cc``) and the table's ``rows`` disagree
+    on a kind's attributes, or a kind's MPI function is among those the build did not take
+    (``unknown``: ``native.h``'s list lacks it): why, naming the kind; None where they agree."""
+    for kind, row in rows.items():
+        if row.mpi_function in unknown:
+            return f"its build does not take {row.mpi_function}, which its {kind} handler calls"
+        bound = attributes(library, kind)
+        if sorted(bound) != sorted(row.handler_attributes()):
+            return (
+                f"its {kind} handler takes the attributes {','.join(bound) or '(none)'}, where "
+                f"jaxddp/_native/kinds.py says {','.join(row.handler_attributes())}"
+            )
+    return None
+
+
 def _cuda_aware(MPI: Any) -> bool:
     """Whether the MPI library mpi4py loaded says it takes GPU buffers."""
     try:
@@ -64,21 +93,30 @@ def _cuda_aware(MPI: Any) -> bool:
     return bool(query())
 
 
-def load(library: ctypes.CDLL, MPI: Any) -> tuple[str | None, bool]:
-    """Configures and registers the staged handlers of ``library`` where JAX may use CUDA
-    (or the test suite forces them on the CPU): None, or why not; and whether this rank's
-    MPI takes GPU buffers (and ``JAXDDP_CUDA_AWARE_MPI`` allows it)."""
-    if _cuda.jax_may_use_cuda() is None and not forced_on_cpu():
-        return "JAX has no CUDA plugin here (or JAX_PLATFORMS leaves CUDA out)", False
+def _driver(library: ctypes.CDLL) -> str | None:
+    """Hands ``library`` the CUDA driver's entry points: None, or why it could not."""
     try:
         configure = library.jaxddp_native_staged_driver
         configure.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
         configure.restype = ctypes.c_int64
         for name in DRIVER_FUNCTIONS:
             if not configure(name.encode(), _cuda.address(name)):
-                return f"its build does not take the driver's {name}", False
+                return f"its build does not take the driver's {name}"
     except _cuda.CudaError as error:
-        return str(error), False
+        return str(error)
+    return None
+
+
+def load(library: ctypes.CDLL, MPI: Any, unknown: Sequence[str] = ()) -> tuple[str | None, bool]:
+    """Configures and registers the staged handlers of ``library`` where JAX may use CUDA
+    (or the test suite forces them on the CPU): None, or why not; and whether this rank's
+    MPI takes GPU buffers (and ``JAXDDP_CUDA_AWARE_MPI`` allows it). ``unknown``: the MPI
+    functions the library's build did not take (``native.h``'s list lacks them)."""
+    if _cuda.jax_may_use_cuda() is None and not forced_on_cpu():
+        return "JAX has no CUDA plugin here (or JAX_PLATFORMS leaves CUDA out)", False
+    problem = _driver(library) or disagreement(library, _TABLE, unknown)
+    if problem is not None:
+        return problem, False
     aware = _settings.cuda_aware_mpi() and _cuda_aware(MPI)
     ready = library.jaxddp_native_staged_ready
     ready.argtypes = [ctypes.c_int64]
