@@ -23,7 +23,7 @@ import numpy as np
 from ..._native.kinds import KINDS
 from . import order
 
-__all__ = ["AXIS", "Xla", "active", "axis", "bound", "describe"]
+__all__ = ["AXIS", "Xla", "active", "axis", "bound", "describe", "transport"]
 
 AXIS = "jaxddp_ranks"  # the mesh axis of the ranks, one device per rank, in rank order
 
@@ -135,14 +135,18 @@ def bound(name: str) -> Iterator[None]:
         _active.reset(token)
 
 
+def transport(backend: str) -> str:
+    """What moves the bytes of a ``jaxddp.spmd`` step's collectives on ``backend``."""
+    known = {"cpu": "gloo", "gpu": "NCCL", "cuda": "NCCL"}
+    return known.get(backend, f"the {backend} backend's own collectives")
+
+
 def describe(backend: str) -> str:
     """What a ``jaxddp.spmd`` step's collectives are on ``backend`` (``jaxddp doctor``)."""
-    transport = {"cpu": "gloo across the processes", "gpu": "NCCL", "cuda": "NCCL"}
-    over = transport.get(backend, f"the {backend} backend's own collectives")
     kinds = "; ".join(f"{row.name}: {row.xla}" for row in KINDS.values())
     return (
-        f"JAX's own collectives over the ranks' mesh, which XLA runs through {over} "
-        f"({backend}): {kinds}"
+        f"steps in jaxddp.spmd take JAX's own collectives over the ranks' mesh, run by XLA "
+        f"through {transport(backend)} ({backend}, one device per rank): {kinds}"
     )
 
 
