@@ -8,14 +8,14 @@ copies the result back, in chunks that overlap the copies with the reduction. Wh
 library says it is CUDA-aware (``MPIX_Query_cuda_support``) and every rank's does,
 ``JAXDDP_CUDA_AWARE_MPI`` (on by default) lets MPI take the GPU buffers themselves.
 
-The test suite runs the same handlers on the CPU (:data:`FORCE_VARIABLE`), against a
-stand-in for the CUDA driver (:data:`jaxddp._base.cuda.DRIVER_VARIABLE`).
+The test suite runs the same handlers on the CPU (:data:`on_cpu`), against a stand-in for the
+CUDA driver (:data:`jaxddp._base.cuda.stand_in`): switches it sets from its own environment
+variables (``tests/harness/switches.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,11 +28,11 @@ from .kinds import Kind
 
 __all__ = [
     "DRIVER_FUNCTIONS",
-    "FORCE_VARIABLE",
     "KINDS",
     "attributes",
     "disagreement",
     "load",
+    "on_cpu",
     "target",
 ]
 
@@ -41,9 +41,10 @@ DRIVER_FUNCTIONS = (
     "cuStreamGetCtx", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuMemcpyAsync",
     "cuStreamSynchronize", "cuMemHostAlloc", "cuMemFreeHost", "cuGetErrorName",
 )  # fmt: skip
-# Test-suite switch: programs compiled for the CPU use the staged handlers too (their host
-# side, with the stand-in driver), so that the whole MPI suite can run them; not a user setting.
-FORCE_VARIABLE = "JAXDDP_TEST_STAGED"
+# The test suite's switch: programs compiled for the CPU use the staged handlers too (their
+# host side, with the stand-in driver), so that the whole MPI suite can run them; False
+# (always, for a user): only programs for a GPU do.
+on_cpu = False
 
 
 def target(kind: str) -> str:
@@ -53,7 +54,7 @@ def target(kind: str) -> str:
 
 def forced_on_cpu() -> bool:
     """Whether the test suite asked for the staged handlers in programs compiled for CPU."""
-    return os.environ.get(FORCE_VARIABLE, "") not in ("", "0")
+    return on_cpu
 
 
 def attributes(library: ctypes.CDLL, kind: str) -> list[str]:
