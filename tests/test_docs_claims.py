@@ -299,7 +299,8 @@ def test_the_settings_page_names_the_test_switches_and_the_library_reads_none():
 
     page = _read(DOCS / "settings.md")
     for module, (attribute, variable, _) in SWITCHES.items():
-        assert f"- `{variable}` (sets `{module}.{attribute}`)" in page, variable
+        source = module.replace(".", "/") + ".py"
+        assert f"- `{variable}` (sets `{attribute}` in `{source}`)" in page, variable
     read = set(re.findall(r"JAXDDP_TEST_\w+", "".join(
         _read(path) for path in (ROOT / "jaxddp").rglob("*.py")
     )))  # fmt: skip
