@@ -28,6 +28,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.harness import switches  # before jaxddp: JAXDDP_TEST_COLLECTIVE_PATH
+
+switches.install()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -134,7 +138,7 @@ def main() -> None:
             "repeats": args.repeats,
             "env": {"jax": jax.__version__},
             "medians_s": medians,
-            "env_path": os.environ.get(_path.PATH_VARIABLE, ""),
+            "env_path": os.environ.get(switches.PATH_VARIABLE, ""),
         }
         args.out.write_text(json.dumps(result, indent=1))
 

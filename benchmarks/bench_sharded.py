@@ -22,6 +22,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.harness import switches  # before jaxddp: JAXDDP_TEST_COLLECTIVE_PATH
+
+switches.install()
+
 import jax
 import numpy as np
 import optax

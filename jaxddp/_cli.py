@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
-from . import _doctor_gpu, _native
+from . import _doctor_collectives, _doctor_gpu, _native
 from ._base import settings as _settings
 from ._collectives._jax import path as _path
 from ._collectives._jax.compat import MPI4JAX_CPU_BRIDGE
@@ -137,6 +137,10 @@ class Facts:
     collective_path: str  # "fast" or "ordered": how collectives inside jax.jit are staged
     collective_path_reason: str
     allreduce_handler: str  # jaxddp/_native: which handler jitted allreduces run, and why
+    # JAXDDP_COLLECTIVES: "mpi", or "xla" (steps in jaxddp.spmd: JAX's own collectives), and
+    # under xla the JAX backend that runs them ("cpu": gloo, "gpu": NCCL; None under mpi)
+    step_collectives: str = "mpi"
+    step_backend: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,6 +194,7 @@ def _common_facts() -> Facts:
     versions = {name: v for name in _PACKAGES if (v := _version(name)) is not None}
     libmpi = _launcher.loaded_libmpi()
     fast, why = _path.path_reason()
+    steps = _settings.collectives()
     return Facts(
         versions=versions,
         library=library,
@@ -199,6 +204,8 @@ def _common_facts() -> Facts:
         collective_path="fast" if fast else "ordered",
         collective_path_reason=why,
         allreduce_handler=_native.status(),
+        step_collectives=steps,
+        step_backend=_doctor_collectives.backend() if steps == "xla" else None,
     )
 
 
@@ -316,17 +323,16 @@ def _text(rows: list[RankRow], facts: Facts, problems: list[str], verdict: str, 
         f"  versions:     {versions}",
         f"  python:       {facts.python}",
         f"  MPI library:  {library}",
-        *wrap(
-            f"collectives:  {facts.collective_path} path, {facts.collective_path_reason}: "
-            f"{_PATH_TEXT[facts.collective_path]}",
-            "  ",
-            " " * 16,
+        *_doctor_collectives.lines(
+            facts.collective_path,
+            facts.collective_path_reason,
+            facts.allreduce_handler,
+            facts.step_backend,
         ),
-        *wrap(f"allreduce:    {facts.allreduce_handler}", "  ", " " * 16),
         *_node_lines(rows),
         *wrap(f"mpi4jax:      {first.mpi4jax.detail}", "  ", " " * 16),
         f"  {skip_name}: {skip if skip is not None else 'not set'}",
-        f"  {_settings.COLLECTIVES.name}: {_settings.collectives()} (steps in jaxddp.spmd)",
+        f"  {_settings.COLLECTIVES.name}: {_doctor_collectives.setting(facts.step_backend)}",
         "",
         "launcher (rank 0):" if first.mpi else "launcher:",
         *report.lines("  "),
@@ -362,15 +368,6 @@ def _text(rows: list[RankRow], facts: Facts, problems: list[str], verdict: str, 
                 lines += wrap(line, "  ", "    ") if len(line) > 98 else [f"  {line}"]
     lines += ["", f"verdict: {verdict} (exit code {code})"]
     return "\n".join(lines)
-
-
-_PATH_TEXT = {
-    "fast": "no JAX effect inside jax.jit, so jitted steps keep JAX's C++ dispatch.",
-    "ordered": (
-        "mpi4jax's ordered effect inside jax.jit, so every jitted step holding a collective "
-        "takes JAX's Python dispatch (tens of microseconds per argument and result leaf)."
-    ),
-}
 
 
 def _nodes(rows: list[RankRow]) -> list[list[int]]:

@@ -23,7 +23,7 @@ if any(p in os.environ["JAX_PLATFORMS"] for p in ("cuda", "gpu")):
 settings.register_profile("jaxddp", deadline=None)
 settings.load_profile("jaxddp")
 
-from tests.harness import COMPILE_CACHE_VARIABLE, RANK_RUN_VARIABLE
+from tests.harness import COMPILE_CACHE_VARIABLE, RANK_RUN_VARIABLE, switches
 from tests.mpi_plugin import pytest_configure as mpi_configure
 from tests.mpi_plugin import (
     pytest_pycollect_makemodule,
@@ -35,6 +35,11 @@ from tests.mpi_plugin import (
     pytest_terminal_summary,
     pytest_warning_recorded,
 )
+
+# The suite's switches of jaxddp's internals (JAXDDP_TEST_CUDA_DRIVER, JAXDDP_TEST_STAGED,
+# JAXDDP_TEST_COLLECTIVE_PATH), which the package never reads: set as their modules are
+# imported, before any test imports jaxddp (tests/harness/switches.py).
+switches.install()
 
 # The compilation cache folder this pytest process made (and removes at its end).
 _made_cache: list[str] = []

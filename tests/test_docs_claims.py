@@ -294,18 +294,17 @@ def test_a_rank_gets_a_batch_of_padding_only_exactly_where_the_readme_says():
                 assert any(not m.any() for m in masks) == (0 < n % (w * b) < w), (n, w, b)
 
 
-def test_the_settings_page_names_the_test_switches_the_library_reads():
-    from jaxddp._base.cuda import DRIVER_VARIABLE
-    from jaxddp._collectives._jax.path import PATH_VARIABLE
-    from jaxddp._native.staged import FORCE_VARIABLE
+def test_the_settings_page_names_the_test_switches_and_the_library_reads_none():
+    from tests.harness.switches import SWITCHES
 
     page = _read(DOCS / "settings.md")
-    for name in (DRIVER_VARIABLE, FORCE_VARIABLE, PATH_VARIABLE):
-        assert f"- `{name}` (" in page, name
+    for module, (attribute, variable, _) in SWITCHES.items():
+        source = module.replace(".", "/") + ".py"
+        assert f"- `{variable}` (sets `{attribute}` in `{source}`)" in page, variable
     read = set(re.findall(r"JAXDDP_TEST_\w+", "".join(
         _read(path) for path in (ROOT / "jaxddp").rglob("*.py")
     )))  # fmt: skip
-    assert read == {DRIVER_VARIABLE, FORCE_VARIABLE, PATH_VARIABLE}
+    assert read == set()
 
 
 def test_setting_errors_docstring_names_every_setting_the_ranks_must_share():

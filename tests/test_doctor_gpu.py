@@ -13,6 +13,7 @@ from jaxddp import _doctor_gpu
 from jaxddp._base import cuda
 from jaxddp._runtime import launcher
 from tests.harness import stand_in_driver
+from tests.harness.switches import DRIVER_VARIABLE, PRELUDE
 
 A = "0000:01:00.0"
 
@@ -64,8 +65,8 @@ def test_the_mpi4jax_build_puts_the_loaded_mpis_folders_first():
 
 
 def test_the_stand_in_driver_shows_the_gpus_it_is_told():
-    code = "from jaxddp._base import cuda; print(cuda.devices(), cuda.jax_may_use_cuda())"
-    env = {cuda.DRIVER_VARIABLE: str(stand_in_driver()), "JAXDDP_TEST_GPUS": f"{A},0000:41:00.0"}
+    code = PRELUDE + "from jaxddp._base import cuda; print(cuda.devices(), cuda.jax_may_use_cuda())"
+    env = {DRIVER_VARIABLE: str(stand_in_driver()), "JAXDDP_TEST_GPUS": f"{A},0000:41:00.0"}
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,
@@ -80,6 +81,6 @@ def test_the_stand_in_driver_shows_the_gpus_it_is_told():
 @pytest.mark.parametrize(("platforms", "expected"), [("cpu", None), ("", None)])
 def test_without_a_cuda_plugin_jax_uses_no_gpu(monkeypatch, platforms, expected):
     # this machine's JAX has no CUDA plugin; JAX_PLATFORMS=cpu rules one out anyway
-    monkeypatch.delenv(cuda.DRIVER_VARIABLE, raising=False)
+    monkeypatch.setattr(cuda, "stand_in", None)
     monkeypatch.setenv("JAX_PLATFORMS", platforms)
     assert cuda.jax_may_use_cuda() is expected

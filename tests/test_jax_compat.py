@@ -17,6 +17,7 @@ import jax
 from jaxddp._collectives._jax import compat as _jax_compat
 from jaxddp._collectives._jax import path as _path
 from tests.harness import fresh_python, launch
+from tests.harness.switches import PATH_VARIABLE, PRELUDE
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).with_name("scripts")
@@ -42,7 +43,7 @@ def test_this_jax_is_verified():
 
 
 def test_an_unverified_jax_warns_takes_the_ordered_path_and_leaves_jax_alone():
-    env = {k: v for k, v in os.environ.items() if k != _path.PATH_VARIABLE}
+    env = {k: v for k, v in os.environ.items() if k != PATH_VARIABLE}
     result = launch([str(SCRIPTS / "unverified_jax.py")], 2, timeout=180, env=env)
     assert result.ok, result.report()
     assert all("unverified ok" in log for log in result.rank_logs.values()), result.report()
@@ -56,15 +57,15 @@ def test_mpi4jax_imports_after_jaxddp_without_a_warning_on_a_verified_jax():
 
 
 def test_doctor_says_which_collective_path_is_active_and_why():
-    code = "from jaxddp._cli import main; raise SystemExit(main(['doctor', '--json']))"
+    code = PRELUDE + "from jaxddp._cli import main; raise SystemExit(main(['doctor', '--json']))"
     for forced in ("", "ordered"):
-        env = dict(os.environ, **{_path.PATH_VARIABLE: forced})
+        env = dict(os.environ, **{PATH_VARIABLE: forced})
         result = fresh_python(["-c", code], env)
         assert result.returncode == 0, result.stderr
         doc = json.loads(result.stdout)
         if forced:
             assert doc["collective_path"] == "ordered"
-            assert doc["collective_path_reason"] == f"{_path.PATH_VARIABLE}=ordered"
+            assert doc["collective_path_reason"] == "the test suite's switch: ordered"
         else:
             assert doc["collective_path"] == ("fast" if _path.fast_path() else "ordered")
             assert jax.__version__ in doc["collective_path_reason"]

@@ -299,7 +299,14 @@ def test_doctor_under_hydra_pmi_port_is_good():
     )
     assert result.ok, result.report()
     text = result.rank_logs["0"]
-    assert "JAXDDP_COLLECTIVES: xla (steps in jaxddp.spmd)" in text
+    # the path steps take (JAX's own collectives, gloo on this CPU), then the MPI path's
+    # (its form and allreduce handler) as what serves collectives outside a step
+    assert "JAXDDP_COLLECTIVES: xla (steps in jaxddp.spmd: psum over gloo)" in text
+    said = flat(text)
+    assert "collectives: xla path (JAXDDP_COLLECTIVES=xla): steps in jaxddp.spmd take JAX's" in said
+    assert "through gloo (cpu, one device per rank): allreduce: psum, pmax or pmin;" in said
+    assert "outside: a collective outside a jaxddp.spmd step takes the fast path" in said
+    assert "allreduce: outside a jaxddp.spmd step, jaxddp's own on CPU" in said
     assert "MPI_LOCALNRANKS" in text
     assert "ranks (an MPI world of 2):" in text
     assert "verdict: ok (exit code 0)" in text

@@ -99,3 +99,38 @@ def test_ranks_that_disagree_on_a_setting_of_the_collectives_all_raise(mode, nam
         assert row["error"].startswith(f"{name} differs across the ranks: "), row
         assert f"rank 0 has it unset ({unset}), rank 1 has {value}" in row["error"], row
     assert rows[0] == rows[1]
+
+
+def test_the_staged_handlers_take_the_attributes_of_the_kinds_table():
+    # jaxddp/_native/kinds.py defines each collective kind once; the compiled handlers
+    # (staged.cc) say what each binding takes, and a build that disagrees is not used
+    import ctypes
+
+    from jaxddp._native import build, staged
+    from jaxddp._native.kinds import KINDS
+
+    library = ctypes.CDLL(str(build()))
+    assert tuple(KINDS) == staged.KINDS
+    assert staged.disagreement(library) is None
+    for kind, row in KINDS.items():
+        assert staged.attributes(library, kind) == list(row.handler_attributes()), kind
+        assert library.jaxddp_native_configure(row.mpi_function.encode(), None) == 1, kind
+
+
+def test_a_kind_whose_handler_disagrees_with_the_table_is_named():
+    import ctypes
+    import dataclasses
+
+    from jaxddp._native import build, staged
+    from jaxddp._native.kinds import KINDS
+
+    library = ctypes.CDLL(str(build()))
+    rows = dict(KINDS, reduce=dataclasses.replace(KINDS["reduce"], attributes=("comm", "root")))
+    problem = staged.disagreement(library, rows)
+    assert problem is not None
+    assert problem.startswith("its reduce handler takes the attributes comm,dtype,nitems,op,root")
+    assert problem.endswith("kinds.py says comm,root")
+    unknown = dataclasses.replace(KINDS["bcast"], kind="scan")
+    assert "its scan handler takes the attributes (none)" in str(
+        staged.disagreement(library, {"scan": unknown})
+    )

@@ -5,8 +5,9 @@ jaxddp never links CUDA: where JAX has a CUDA plugin, it opens the driver's libr
 GPUs a rank sees before JAX starts (:mod:`jaxddp._runtime.gpus`) and to hand the staged
 collectives their entry points (:mod:`jaxddp._native.staged`). It imports nothing of jaxddp.
 
-The test suite puts a stand-in library in the driver's place (:data:`DRIVER_VARIABLE`,
-``tests/native/driver.c``): the same entry points, on host memory, with the GPUs it is told.
+The test suite puts a stand-in library in the driver's place (:data:`stand_in`, which it sets
+from a variable of its own, ``tests/harness/switches.py``; ``tests/native/driver.c``): the
+same entry points, on host memory, with the GPUs it is told.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import functools
 import importlib.util
 import os
 
-__all__ = ["DRIVER_VARIABLE", "CudaError", "address", "devices", "driver", "jax_may_use_cuda"]
+__all__ = ["CudaError", "address", "devices", "driver", "jax_may_use_cuda", "stand_in"]
 
-# Test-suite switch: the path of a stand-in for libcuda.so.1 (not a user setting).
-DRIVER_VARIABLE = "JAXDDP_TEST_CUDA_DRIVER"
+# The test suite's switch: the path of a stand-in for libcuda.so.1; None (always, for a user):
+# the driver's own library.
+stand_in: str | None = None
 _PLUGINS = ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins.xla_cuda13",
             "jax_plugins.xla_cuda12")  # fmt: skip
 
@@ -31,7 +33,7 @@ class CudaError(RuntimeError):
 def jax_may_use_cuda() -> str | None:
     """The JAX CUDA plugin installed, where ``JAX_PLATFORMS`` lets JAX use it (else None);
     with the stand-in driver of the test suite, ``"stand-in"``."""
-    if os.environ.get(DRIVER_VARIABLE):
+    if stand_in:
         return "stand-in"
     platforms = os.environ.get("JAX_PLATFORMS", "").lower()
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
@@ -48,7 +50,7 @@ def jax_may_use_cuda() -> str | None:
 @functools.cache
 def driver() -> ctypes.CDLL:
     """The CUDA driver's library (CudaError where it cannot be opened), initialized."""
-    path = os.environ.get(DRIVER_VARIABLE) or "libcuda.so.1"
+    path = stand_in or "libcuda.so.1"
     try:
         library = ctypes.CDLL(path)
     except OSError as error:

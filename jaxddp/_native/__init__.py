@@ -56,6 +56,7 @@ from .._base import settings as _settings
 from .._types import Communicator
 from . import staged as _staged
 from .build import build, cache_dir
+from .kinds import KINDS as _TABLE
 
 __all__ = [
     "TARGET",
@@ -75,17 +76,19 @@ __all__ = [
 
 TARGET = "jaxddp_allreduce"
 _OURS = "jaxddp's own on CPU (MPI_Iallreduce, then MPI_Test: polls, then naps)"
-# The MPI functions the handlers call (the CPU's the first two; the staged ones all of them).
-_MPI_FUNCTIONS = (
-    "MPI_Iallreduce", "MPI_Test", "MPI_Ibcast", "MPI_Ireduce", "MPI_Iallgather",
-    "MPI_Ialltoall", "MPI_Comm_rank",
-)  # fmt: skip
+# The MPI functions the handlers call: the CPU's allreduce's, then the staged handlers' (each
+# kind's of the table, kinds.py).
+_CPU_FUNCTIONS = ("MPI_Iallreduce", "MPI_Test")
+_STAGED_FUNCTIONS = tuple(dict.fromkeys(row.mpi_function for row in _TABLE.values()))
 
 # What every rank agreed on (agree): the FFI target, or None for mpi4jax's; and why.
 _agreed: tuple[str | None, str] | None = None
 # And on a GPU: whether the staged handlers are in use, whether MPI takes GPU buffers, why.
 _gpu: tuple[bool, bool, str] | None = None
 _library: ctypes.CDLL | None = None  # the loaded handlers
+# The staged handlers' MPI functions that the build's jaxddp_native_configure does not know
+# (native.h's JAXDDP_MPI_FUNCTIONS lacks them): those handlers are not used (staged.load).
+_unknown: list[str] = []
 
 
 def _mpi_function(mpi4py_extension: ctypes.CDLL, name: str) -> int:
@@ -107,11 +110,15 @@ def _load(MPI: Any) -> str | None:
         library.jaxddp_native_configure.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
         library.jaxddp_native_configure.restype = ctypes.c_int64
         mpi = ctypes.CDLL(MPI.__file__)
-        for name in _MPI_FUNCTIONS[:2]:
-            library.jaxddp_native_configure(name.encode(), _mpi_function(mpi, name))
-        for name in _MPI_FUNCTIONS[2:]:  # the staged handlers' (they refuse to run without)
+        for name in _CPU_FUNCTIONS:
+            if not library.jaxddp_native_configure(name.encode(), _mpi_function(mpi, name)):
+                return f"its build does not take {name}"
+        for name in _STAGED_FUNCTIONS:  # the staged handlers' (they refuse to run without)
+            if name in _CPU_FUNCTIONS:
+                continue
             with contextlib.suppress(RuntimeError):
-                library.jaxddp_native_configure(name.encode(), _mpi_function(mpi, name))
+                if not library.jaxddp_native_configure(name.encode(), _mpi_function(mpi, name)):
+                    _unknown.append(name)
         capsule = jax.ffi.pycapsule(library.jaxddp_allreduce)
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
         library.jaxddp_native_share.argtypes = [
@@ -145,7 +152,7 @@ def agree(MPI: Any, comm: Communicator) -> None:
     problem = _load(MPI)
     gpu_problem, aware = "jaxddp's handlers are not in use here", False
     if problem is None and _library is not None:
-        gpu_problem, aware = _staged.load(_library, MPI)
+        gpu_problem, aware = _staged.load(_library, MPI, _unknown)
     everyone = comm.allgather((problem is None, gpu_problem is None, aware))
     ready, gpu_ready, all_aware = (all(column) for column in zip(*everyone, strict=True))
     if ready:

@@ -412,9 +412,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(jaxddp_allreduce, allreduce,
                                   .Attr<int64_t>("nitems")
                                   .Attr<std::string_view>("call"));
 
-// The MPI functions the handlers call, from the library mpi4py loaded, by name (MPI_Iallreduce,
-// MPI_Test, MPI_Ibcast, MPI_Ireduce, MPI_Iallgather, MPI_Ialltoall, MPI_Comm_rank); 0 for
-// a name it does not know.
+// The MPI functions the handlers call, from the library mpi4py loaded, by name (native.h's
+// JAXDDP_MPI_FUNCTIONS); 0 for a name it does not know.
 extern "C" __attribute__((visibility("default"))) int64_t jaxddp_native_configure(
     const char* name, void* function) {
   const std::string_view n(name);
@@ -422,13 +421,10 @@ extern "C" __attribute__((visibility("default"))) int64_t jaxddp_native_configur
     slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(function);
     return int64_t{1};
   };
-  if (n == "MPI_Iallreduce") return set(mpi.iallreduce);
-  if (n == "MPI_Test") return set(mpi.test);
-  if (n == "MPI_Ibcast") return set(mpi.ibcast);
-  if (n == "MPI_Ireduce") return set(mpi.ireduce);
-  if (n == "MPI_Iallgather") return set(mpi.iallgather);
-  if (n == "MPI_Ialltoall") return set(mpi.ialltoall);
-  if (n == "MPI_Comm_rank") return set(mpi.comm_rank);
+#define JAXDDP_MPI_SET(slot, text, type) \
+  if (n == text) return set(mpi.slot);
+  JAXDDP_MPI_FUNCTIONS(JAXDDP_MPI_SET)
+#undef JAXDDP_MPI_SET
   return 0;
 }
 

@@ -18,17 +18,27 @@ namespace jaxddp {
 
 namespace ffi = xla::ffi;
 
-// The MPI functions the handlers call, with every handle as an intptr_t.
+// The MPI functions the handlers call, with every handle as an intptr_t: one line each in
+// JAXDDP_MPI_FUNCTIONS (its slot in Mpi, its name, its type), from which the struct below,
+// jaxddp_native_configure (allreduce.cc, by name) and the staged handlers' readiness
+// (staged.cc: every one set) come. jaxddp/_native/kinds.py names each kind's function.
+using MpiIallreduce = int (*)(const void*, void*, int, intptr_t, intptr_t, intptr_t, intptr_t*);
+using MpiTest = int (*)(intptr_t*, int*, void*);
+using MpiIbcast = int (*)(void*, int, intptr_t, int, intptr_t, intptr_t*);
+using MpiIreduce = int (*)(const void*, void*, int, intptr_t, intptr_t, int, intptr_t, intptr_t*);
+using MpiMove = int (*)(const void*, int, intptr_t, void*, int, intptr_t, intptr_t, intptr_t*);
+#define JAXDDP_MPI_FUNCTIONS(X)                \
+  X(iallreduce, "MPI_Iallreduce", MpiIallreduce) \
+  X(test, "MPI_Test", MpiTest)                 \
+  X(ibcast, "MPI_Ibcast", MpiIbcast)           \
+  X(ireduce, "MPI_Ireduce", MpiIreduce)        \
+  X(iallgather, "MPI_Iallgather", MpiMove)     \
+  X(ialltoall, "MPI_Ialltoall", MpiMove)
+
 struct Mpi {
-  int (*iallreduce)(const void*, void*, int, intptr_t, intptr_t, intptr_t, intptr_t*) = nullptr;
-  int (*test)(intptr_t*, int*, void*) = nullptr;
-  int (*ibcast)(void*, int, intptr_t, int, intptr_t, intptr_t*) = nullptr;
-  int (*ireduce)(const void*, void*, int, intptr_t, intptr_t, int, intptr_t, intptr_t*) = nullptr;
-  int (*iallgather)(const void*, int, intptr_t, void*, int, intptr_t, intptr_t, intptr_t*) =
-      nullptr;
-  int (*ialltoall)(const void*, int, intptr_t, void*, int, intptr_t, intptr_t, intptr_t*) =
-      nullptr;
-  int (*comm_rank)(intptr_t, int*) = nullptr;
+#define JAXDDP_MPI_SLOT(slot, name, type) type slot = nullptr;
+  JAXDDP_MPI_FUNCTIONS(JAXDDP_MPI_SLOT)
+#undef JAXDDP_MPI_SLOT
 };
 extern Mpi mpi;
 

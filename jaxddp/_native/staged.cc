@@ -441,8 +441,10 @@ extern "C" __attribute__((visibility("default"))) int64_t jaxddp_native_staged_r
     int64_t cuda_aware) {
   aware = cuda_aware != 0;
   configured = driver.stream_ctx && driver.push && driver.pop && driver.copy && driver.sync &&
-               driver.host_alloc && driver.host_free && mpi.iallreduce && mpi.test &&
-               mpi.ibcast && mpi.ireduce && mpi.iallgather && mpi.ialltoall;
+               driver.host_alloc && driver.host_free;
+#define JAXDDP_MPI_READY(slot, name, type) configured = configured && mpi.slot != nullptr;
+  JAXDDP_MPI_FUNCTIONS(JAXDDP_MPI_READY)
+#undef JAXDDP_MPI_READY
   return configured ? 1 : 0;
 }
 

@@ -10,7 +10,9 @@ With ``JAXDDP_TEST_COMPILE_CACHE`` set (see ``tests/harness``), JAX's persistent
 cache is that folder, shared by every rank of every launch of the pytest run, every program
 cached however fast it compiled (:class:`ClaimingCache`: the ranks of a launch compile one
 program once, not once each). Only the standard library is imported here: nothing may touch
-MPI before ARGV does, and jax is not imported for a script that does not import it.
+MPI before ARGV does, and jax is not imported for a script that does not import it. The
+suite's switches of jaxddp's internals (``switches.py``) are set in every rank, from their
+variables.
 """
 
 from __future__ import annotations
@@ -199,6 +201,20 @@ def use_compile_cache() -> None:
     sys.meta_path.insert(0, _AfterImport("jax._src.compilation_cache", _share_cache))
 
 
+def install_switches() -> None:
+    """The suite's switches of jaxddp's internals (``switches.py`` beside this file, loaded by
+    its path: the program's ``sys.path`` is left as it is), set from their variables as each
+    switched module is imported."""
+    path = pathlib.Path(__file__).with_name("switches.py")
+    spec = importlib.util.spec_from_file_location("_jaxddp_test_switches", path)
+    if spec is None or spec.loader is None:  # pragma: no cover - the file is beside this one
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass or a finder may look its module up
+    spec.loader.exec_module(module)
+    module.install()
+
+
 def main() -> None:
     outdir, sep, *argv = sys.argv[1:]
     if sep != "--" or not argv:
@@ -206,6 +222,7 @@ def main() -> None:
     rank = launcher_rank()
     argv = [a.replace("{rank}", rank) for a in argv]
     use_compile_cache()
+    install_switches()
     # Registered first, so it runs after every other atexit handler (the script's, jaxddp's):
     # the garbage collections of Python's finalization then skip every object made before
     # it. After `import jax` alone they cost 0.3 CPU-s of a 1.5 CPU-s process, and the

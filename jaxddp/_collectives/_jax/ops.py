@@ -1,7 +1,9 @@
 """The collectives as the rest of jaxddp calls them: lists of flat buffers in, lists out.
 
-Traced inside ``jaxddp.spmd`` with ``JAXDDP_COLLECTIVES=xla`` (:func:`.xla.axis` is set),
-each is JAX's own collective over the ranks' mesh axis; everywhere else, an MPI call."""
+Each wrapper asks :func:`implementation` which implementation runs it and calls its method
+of the same kind: :class:`Mpi` (jaxddp's primitives, MPI calls), or, while ``jaxddp.spmd``
+traces a step with ``JAXDDP_COLLECTIVES=xla``, the :class:`.xla.Xla` made for that trace
+(JAX's own collectives over the ranks' mesh axis)."""
 
 from __future__ import annotations
 
@@ -10,16 +12,20 @@ from typing import Any
 
 import jax
 
+from ..._native.kinds import KINDS
 from ..._types import Communicator
 from . import xla
 from .primitives import allgather_p, allreduce_p, alltoall_p, bcast_p, reduce_p
 from .records import Handle
 
 __all__ = [
+    "MPI_PATH",
+    "Mpi",
     "allgather_many",
     "allreduce_many",
     "alltoall_many",
     "bcast_many",
+    "implementation",
     "reduce_many",
     "reduce_scatter_many",
     "sum_rows",
@@ -38,6 +44,66 @@ def _register_targets() -> None:
     import mpi4jax  # noqa: F401
 
 
+class Mpi:
+    """The collectives of the MPI path: jaxddp's primitives (:mod:`.primitives`), lowered to
+    mpi4jax's FFI targets or jaxddp's own handlers. One method per kind of the table
+    (``jaxddp/_native/kinds.py``), as :class:`.xla.Xla` has."""
+
+    def allreduce(
+        self, xs: Sequence[Any], op: Any, comm: Communicator, calls: Sequence[str] | None = None
+    ) -> list[Any]:
+        _register_targets()
+        if calls is None:
+            return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm))
+        return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm), calls=tuple(calls))
+
+    def bcast(self, xs: Sequence[Any], root: int, comm: Communicator) -> list[Any]:
+        _register_targets()
+        is_root = comm.Get_rank() == root
+        out = bcast_p.bind(*xs, root=root, comm=Handle(comm), is_root=is_root)
+        return _after(xs, out) if is_root else out
+
+    def reduce(self, xs: Sequence[Any], op: Any, root: int, comm: Communicator) -> list[Any]:
+        _register_targets()
+        is_root = comm.Get_rank() == root
+        out = reduce_p.bind(*xs, op=Handle(op), root=root, comm=Handle(comm), is_root=is_root)
+        return out if is_root else _after(xs, out)
+
+    def allgather(self, xs: Sequence[Any], comm: Communicator) -> list[Any]:
+        _register_targets()
+        return allgather_p.bind(*xs, comm=Handle(comm), size=comm.Get_size())
+
+    def alltoall(self, xs: Sequence[Any], comm: Communicator) -> list[Any]:
+        _register_targets()
+        return alltoall_p.bind(*xs, comm=Handle(comm), size=comm.Get_size())
+
+    def reduce_scatter(self, xs: Sequence[Any], op: Any, comm: Communicator) -> list[Any]:
+        """An alltoall, then :func:`sum_rows` (in rank order: the same bits on every path
+        through MPI)."""
+        from ..._runtime.world import mpi
+
+        if op != mpi().SUM:
+            msg = f"jaxddp's reduce-scatter sums only; it got the MPI op {op!r}."
+            raise NotImplementedError(msg)
+        return [sum_rows(rows) for rows in self.alltoall(xs, comm)]
+
+
+MPI_PATH = Mpi()
+
+# Both implementations have every kind of the table (and the reduce-scatter built on them).
+for _implementation in (Mpi, xla.Xla):
+    for _kind in (*KINDS, "reduce_scatter"):
+        if not callable(getattr(_implementation, _kind, None)):
+            msg = f"{_implementation.__qualname__} has no {_kind}, a kind of _native/kinds.py"
+            raise TypeError(msg)
+
+
+def implementation(comm: Communicator) -> Mpi | xla.Xla:
+    """The implementation of the collectives over ``comm`` here: the XLA one that
+    ``jaxddp.spmd`` chose for the step it traces (``JAXDDP_COLLECTIVES=xla``), else MPI's."""
+    return xla.active(comm) or MPI_PATH
+
+
 def allreduce_many(
     xs: Sequence[Any], op: Any, comm: Communicator, calls: Sequence[str] | None = None
 ) -> list[Any]:
@@ -45,49 +111,31 @@ def allreduce_many(
 
     ``calls``: what each buffer is to the caller (the op asked for, the leaves packed in it),
     which jaxddp's own handler compares across ranks."""
-    if not xs:
-        return []
-    if (name := xla.axis_for(comm)) is not None:
-        return xla.allreduce(xs, op, name)
-    _register_targets()
-    if calls is None:
-        return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm))
-    return allreduce_p.bind(*xs, op=Handle(op), comm=Handle(comm), calls=tuple(calls))
+    return implementation(comm).allreduce(xs, op, comm, calls) if xs else []
 
 
 def bcast_many(xs: Sequence[Any], root: int, comm: Communicator) -> list[Any]:
     """Gives every rank ``root``'s values of each array of ``xs``."""
-    if not xs:
-        return []
-    if (name := xla.axis_for(comm)) is not None:
-        return xla.bcast(xs, root, name)
-    _register_targets()
-    is_root = comm.Get_rank() == root
-    out = bcast_p.bind(*xs, root=root, comm=Handle(comm), is_root=is_root)
-    return _after(xs, out) if is_root else out
+    return implementation(comm).bcast(xs, root, comm) if xs else []
 
 
 def reduce_many(xs: Sequence[Any], op: Any, root: int, comm: Communicator) -> list[Any]:
     """Reduces each array of ``xs`` onto ``root``; the other ranks get their input back."""
-    if not xs:
-        return []
-    if (name := xla.axis_for(comm)) is not None:
-        return xla.reduce(xs, op, root, name)
-    _register_targets()
-    is_root = comm.Get_rank() == root
-    out = reduce_p.bind(*xs, op=Handle(op), root=root, comm=Handle(comm), is_root=is_root)
-    return out if is_root else _after(xs, out)
+    return implementation(comm).reduce(xs, op, root, comm) if xs else []
 
 
 def allgather_many(xs: Sequence[Any], comm: Communicator) -> list[Any]:
     """Every rank's values of each array of ``xs``, stacked on a new first axis in rank
     order: ``(size, *x.shape)``."""
-    if not xs:
-        return []
-    if (name := xla.axis_for(comm)) is not None:
-        return xla.allgather(xs, name)
-    _register_targets()
-    return allgather_p.bind(*xs, comm=Handle(comm), size=comm.Get_size())
+    return implementation(comm).allgather(xs, comm) if xs else []
+
+
+def _rows(xs: Sequence[Any], comm: Communicator) -> None:
+    size = comm.Get_size()
+    for x in xs:
+        if x.ndim == 0 or x.shape[0] != size:
+            msg = f"Expected alltoall buffers of shape ({size}, ...), got {x.shape} instead."
+            raise ValueError(msg)
 
 
 def alltoall_many(xs: Sequence[Any], comm: Communicator) -> list[Any]:
@@ -95,15 +143,8 @@ def alltoall_many(xs: Sequence[Any], comm: Communicator) -> list[Any]:
     to rank ``j``, and row ``i`` of the result came from rank ``i``."""
     if not xs:
         return []
-    size = comm.Get_size()
-    for x in xs:
-        if x.ndim == 0 or x.shape[0] != size:
-            msg = f"Expected alltoall buffers of shape ({size}, ...), got {x.shape} instead."
-            raise ValueError(msg)
-    if (name := xla.axis_for(comm)) is not None:
-        return xla.alltoall(xs, name)
-    _register_targets()
-    return alltoall_p.bind(*xs, comm=Handle(comm), size=size)
+    _rows(xs, comm)
+    return implementation(comm).alltoall(xs, comm)
 
 
 def sum_rows(rows: Any) -> Any:
@@ -122,13 +163,4 @@ def reduce_scatter_many(xs: Sequence[Any], op: Any, comm: Communicator) -> list[
     the dtype they are summed in). Through MPI: an alltoall, then :func:`sum_rows` (in rank
     order, the same bits on every path through MPI); inside ``jaxddp.spmd`` with ``xla``,
     ``psum_scatter`` (XLA's order of the sum)."""
-    if not xs:
-        return []
-    if (name := xla.axis_for(comm)) is not None:
-        return xla.reduce_scatter(xs, op, name)
-    from ..._runtime.world import mpi
-
-    if op != mpi().SUM:
-        msg = f"jaxddp's reduce-scatter sums only; it got the MPI op {op!r}."
-        raise NotImplementedError(msg)
-    return [sum_rows(rows) for rows in alltoall_many(xs, comm)]
+    return implementation(comm).reduce_scatter(xs, op, comm) if xs else []

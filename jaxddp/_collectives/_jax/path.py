@@ -4,25 +4,24 @@ dispatch) where its ordering was verified, else the ordered one (mpi4jax's effec
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 
 from . import compat
 from .forms import chained_p
 
-__all__ = ["PATH_VARIABLE", "fast_path", "path_reason"]
+__all__ = ["fast_path", "forced", "path_reason"]
 
-# Test-suite switch between the two paths ("fast" or "ordered"); not a user setting.
-PATH_VARIABLE = "JAXDDP_TEST_COLLECTIVE_PATH"
+# The test suite's switch between the two paths ("fast" or "ordered"), which it sets from a
+# variable of its own (tests/harness/switches.py); None (always, for a user): decided below.
+forced: str | None = None
 
 
 @functools.cache
 def path_reason() -> tuple[bool, str]:
     """Whether jaxddp's collectives take the fast path, and why (decided once)."""
-    forced = os.environ.get(PATH_VARIABLE, "").strip().lower()
     if forced in ("fast", "ordered"):
-        fast, why = forced == "fast", f"{PATH_VARIABLE}={forced}"
+        fast, why = forced == "fast", f"the test suite's switch: {forced}"
     elif (reason := compat.unverified_reason() or compat.missing_internals()) is not None:
         fast, why = False, reason
     elif jax.default_backend() != "cpu":

@@ -1,9 +1,10 @@
-"""One record per collective kind: what its custom call is (the FFI target and its
-attributes), what it returns, and whether it differentiates and batches.
+"""One record per collective kind of the table (``jaxddp/_native/kinds.py``): its row (FFI
+target, attribute names, whether it differentiates and batches) with what JAX needs of it,
+its custom call's attribute values and its output shapes.
 
 :mod:`.lowering` emits the calls from these records and :mod:`.primitives` makes one
-primitive per record and registers its rules from it: adding a collective is one record
-here and one wrapper in :mod:`.ops`.
+primitive per record and registers its rules from it. A new kind whose attributes and output
+are among those below needs nothing here (README.md of this folder: what adding one touches).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 from jax.core import ShapedArray
 
 from ..._base import mpi as _mpi
+from ..._native.kinds import KINDS, Kind
 
 __all__ = ["RECORDS", "Handle", "Record"]
 
@@ -52,90 +54,63 @@ def _dtype_handle(dtype: Any) -> np.int64:
     return np.int64(Handle(getattr(MPI, _MPI_TYPES[np.dtype(dtype).name])).handle)
 
 
-@dataclasses.dataclass(frozen=True)
-class Record:
-    """A collective kind. ``attrs(params, nitems, dtype)`` gives its FFI target's attributes
-    besides ``comm``, from the primitive's params, the buffer's element count and the MPI
-    handle of its dtype; ``out_aval(aval, params)`` what it returns for one buffer."""
-
-    kind: str  # its primitives are jaxddp_<kind> (and jaxddp_<kind>_tangent)
-    name: str  # as its errors call it
-    target: str  # the FFI target mpi4jax registers
-    attrs: Callable[[dict[str, Any], np.int64, np.int64], dict[str, Any]]
-    out_aval: Callable[[Any, dict[str, Any]], ShapedArray] = lambda a, params: ShapedArray(
-        a.shape, a.dtype
-    )
-    native: bool = False  # on CPU, jaxddp's own handler where every rank loaded it
-    differentiable: bool = False  # jvp and transpose as `jax.lax.psum`'s (else: refused)
-    batchable: bool = False  # elementwise: vmap passes through it
-
-    def call_attrs(self, params: dict[str, Any], aval: Any) -> dict[str, Any]:
-        """Every attribute of one custom call on a buffer of ``aval``."""
-        nitems = np.int64(np.prod(aval.shape, dtype=np.int64))
-        attrs = self.attrs(params, nitems, _dtype_handle(aval.dtype))
-        return {"comm": np.int64(params["comm"].handle), **attrs}
+# Each attribute a custom call takes, by its name in the table (jaxddp/_native/kinds.py),
+# from the primitive's params, the buffer's element count and the MPI handle of its dtype.
+_ATTRIBUTES: dict[str, Callable[[Kind, dict[str, Any], np.int64, np.int64], np.int64]] = {
+    "comm": lambda k, p, n, d: np.int64(p["comm"].handle),
+    "op": lambda k, p, n, d: np.int64(p["op"].handle),
+    "root": lambda k, p, n, d: np.int64(p["root"]),
+    "dtype": lambda k, p, n, d: d,
+    "nitems": lambda k, p, n, d: n,
+    # what a move (allgather, alltoall) sends to and gets from each rank
+    "sendcount": lambda k, p, n, d: np.int64(n // p["size"]) if k.rows else n,
+    "recvcount": lambda k, p, n, d: np.int64(n // p["size"]) if k.rows else n,
+    "sendtype": lambda k, p, n, d: d,
+    "recvtype": lambda k, p, n, d: d,
+}
 
 
 def _empty_where(nothing_back: Callable[[dict[str, Any]], bool]) -> Any:
-    """A broadcast's root and a reduce's non-roots get nothing back (their input stands)."""
-
     def out_aval(a: Any, params: dict[str, Any]) -> ShapedArray:
         return ShapedArray((0,) if nothing_back(params) else a.shape, a.dtype)
 
     return out_aval
 
 
-def _counts(count: np.int64, dtype: np.int64) -> dict[str, Any]:
-    """What a move (allgather, alltoall) sends to and gets from each rank."""
-    return {"sendcount": count, "sendtype": dtype, "recvcount": count, "recvtype": dtype}
-
-
-RECORDS = {
-    record.kind: record
-    for record in (
-        Record(
-            "allreduce",
-            "allreduce",
-            "mpi_allreduce_ffi",
-            lambda p, n, d: {"nitems": n, "dtype": d, "op": np.int64(p["op"].handle)},
-            native=True,
-            differentiable=True,
-            batchable=True,
-        ),
-        Record(
-            "bcast",
-            "broadcast",
-            "mpi_bcast_ffi",
-            lambda p, n, d: {"nitems": n, "dtype": d, "root": np.int64(p["root"])},
-            out_aval=_empty_where(lambda p: p["is_root"]),
-        ),
-        Record(
-            "reduce",
-            "reduce",
-            "mpi_reduce_ffi",
-            lambda p, n, d: {
-                "nitems": n,
-                "dtype": d,
-                "op": np.int64(p["op"].handle),
-                "root": np.int64(p["root"]),
-            },
-            out_aval=_empty_where(lambda p: not p["is_root"]),
-        ),
-        # Moves only (for the sharded optimizer), with the communicator's `size` in their
-        # params: an allgather stacks every rank's buffer on a new first axis...
-        Record(
-            "allgather",
-            "allgather",
-            "mpi_allgather_ffi",
-            lambda p, n, d: _counts(n, d),
-            out_aval=lambda a, p: ShapedArray((p["size"], *a.shape), a.dtype),
-        ),
-        # ...an alltoall sends row j of its (size, ...) input to rank j, gets row i from i.
-        Record(
-            "alltoall",
-            "alltoall",
-            "mpi_alltoall_ffi",
-            lambda p, n, d: _counts(np.int64(n // p["size"]), d),
-        ),
-    )
+# What a collective returns for one buffer, by the table's `returns`.
+OUTPUTS: dict[str, Callable[[Any, dict[str, Any]], ShapedArray]] = {
+    "same": lambda a, p: ShapedArray(a.shape, a.dtype),
+    "nothing on the root": _empty_where(lambda p: p["is_root"]),
+    "nothing off the root": _empty_where(lambda p: not p["is_root"]),
+    "stacked": lambda a, p: ShapedArray((p["size"], *a.shape), a.dtype),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Record(Kind):
+    """A collective kind of the table, with what JAX needs of it: its custom call's
+    attributes for a buffer and what it returns."""
+
+    def call_attrs(self, params: dict[str, Any], aval: Any) -> dict[str, Any]:
+        """Every attribute of one custom call on a buffer of ``aval`` (but ``call``)."""
+        nitems = np.int64(np.prod(aval.shape, dtype=np.int64))
+        dtype = _dtype_handle(aval.dtype)
+        return {name: _ATTRIBUTES[name](self, params, nitems, dtype) for name in self.attributes}
+
+    def out_aval(self, aval: Any, params: dict[str, Any]) -> ShapedArray:
+        """What it returns for one buffer of ``aval``."""
+        return OUTPUTS[self.returns](aval, params)
+
+
+def _record(row: Kind) -> Record:
+    unknown = [a for a in row.attributes if a not in _ATTRIBUTES]
+    if unknown or row.returns not in OUTPUTS:
+        msg = (
+            f"jaxddp/_native/kinds.py: the {row.kind!r} row names attributes "
+            f"{unknown} or an output {row.returns!r} that records.py does not know."
+        )
+        raise RuntimeError(msg)
+    return Record(**{f.name: getattr(row, f.name) for f in dataclasses.fields(row)})
+
+
+RECORDS = {kind: _record(row) for kind, row in KINDS.items()}
