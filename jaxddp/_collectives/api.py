@@ -76,6 +76,9 @@ def channels(comm: Communicator | None) -> tuple[int, int, Any, Any]:
     if comm is None:
         return world.rank, world.size, world.jax_comm, world.py_comm
     host, compiled = private_comms(comm)
+    # inside a step that jaxddp.spmd traces, refused before anything else, on every rank
+    # (a rank alone in its communicator would otherwise skip the collective and wait)
+    ops.implementation(compiled)
     return comm.Get_rank(), comm.Get_size(), compiled, host
 
 
