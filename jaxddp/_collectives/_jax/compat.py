@@ -52,6 +52,7 @@ __all__ = [
     "apply_primitive",
     "backends_started",
     "equation_frames",
+    "eval_jaxpr",
     "global_array",
     "is_jaxpr_trace",
     "jax_versions",
@@ -300,6 +301,13 @@ def weaken(x: Any) -> Any:
     from jax._src.lax import lax as lax_internal
 
     return lax_internal._convert_element_type(x, weak_type=True)
+
+
+def eval_jaxpr(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
+    """``jaxpr`` run on ``args`` in the trace that calls it (its equations bound again)."""
+    from jax._src import core
+
+    return core.eval_jaxpr(jaxpr, consts, *args)
 
 
 def global_array(aval: Any, sharding: Any, block: Any) -> Any:

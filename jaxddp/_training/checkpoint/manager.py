@@ -260,6 +260,7 @@ class CheckpointManager:
                     step, lambda: write_step(manager, step, host, entry), self.directory, _kind
                 )
         else:
+            assert compare_comm is not None  # held is made only with a comm to compare on
             work = _compare_then_write(
                 compare_comm, held, step, doing, (manager, entry) if self._writer else None
             )

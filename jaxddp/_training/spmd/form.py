@@ -121,7 +121,7 @@ class Form:
         views = [leaf.inside(b) for leaf, b in zip(self.leaves, blocks, strict=True)]
         with _xla.bound(AXIS):  # the step's collectives name the axis while it is traced
             closed = jax.make_jaxpr(self._step)(*views)
-        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *views)
+        flat = _compat.eval_jaxpr(closed.jaxpr, closed.consts, *views)
         varies = _varying.varying_outputs(
             closed.jaxpr,
             [not leaf.replicated for leaf in self.leaves],

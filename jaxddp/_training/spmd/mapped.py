@@ -82,6 +82,7 @@ class Mapped:
         self._holds: collections.OrderedDict[Any, bool] = collections.OrderedDict()
         self._replicated: Any = None
         self._device: Any = None
+        self._mine: Any = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         _progress.note("a step of jaxddp.spmd")
@@ -99,6 +100,7 @@ class Mapped:
             self._replicated = NamedSharding(mesh, REPLICATED)
             self._blocked = NamedSharding(mesh, BLOCKED)
             self._device = mesh.devices.flat[jax.process_index()]
+            self._mine = jax.sharding.SingleDeviceSharding(self._device)
         kinds, avals = self._read(leaves)
         if kinds is None:  # traced values
             if _xla.axis() is not None:  # inside another spmd step: already mapped
@@ -125,10 +127,10 @@ class Mapped:
         if form is None:
             form = known.forms[choice] = self._form(layout, known, kinds, replicated)
         blocks = list(leaves)
-        device, make = self._device, form.make
+        device, mine, make = self._device, self._mine, form.make
         for i in known.new:  # the values not yet global: made so, in one pass
             x = blocks[i]
-            if not (isinstance(x, jax.Array) and x.committed and x.sharding._device is device):
+            if not (isinstance(x, jax.Array) and x.committed and x.sharding == mine):
                 x = jax.device_put(x, device)
             blocks[i] = make(i, x)
         out = form.results(form.run(*blocks))
