@@ -307,22 +307,8 @@ def compressed_allreduce(
         psgd = compression
 
         def power(vector: Any, q: Any) -> tuple[Any, Any, Any, Any]:
-            ms, start = [], 0
-            for n, m, _ in plan.matrices:
-                ms.append(vector[start : start + n * m].reshape(n, m))
-                start += n * m
-            ps = [mat @ qi for mat, qi in zip(ms, q, strict=True)]
-            got = _comm.reduce_all([*ps, *[leaves[i] for i in exact]], op, comm=comm, check=False)
-            ps, out = [_orthonormal(p) for p in got[: len(ps)]], list(got[len(ps) :])
-            qs = [mat.T @ p for mat, p in zip(ms, ps, strict=True)]
-            qs = _comm.reduce_all(qs, op, comm=comm, check=False)
-            approx = [p @ qn.T for p, qn in zip(ps, qs, strict=True)]
-            reduced = jnp.concatenate([a.ravel() for a in approx])
-            scale = size if op == "sum" else 1
-            error = vector - reduced / scale
-            # a zero gradient gives a zero Q, from which no later P could grow: keep the old
-            q = tuple(jnp.where(jnp.any(qn != 0), qn, qo) for qn, qo in zip(qs, q, strict=True))
-            return reduced, error, out, q
+            return _power(vector, q, plan=plan, others=[leaves[i] for i in exact], op=op,
+                          comm=comm, size=size)  # fmt: skip
 
         if psgd.start_step == 0:
             reduced, error, out, q = power(vector, state.q)
@@ -347,6 +333,29 @@ def compressed_allreduce(
     # an infinity or a NaN is the step's result, as without compression, not a debt to carry
     error = jnp.where(jnp.isfinite(error), error, 0.0)
     return results, CompressionState(count, _residual(error, size), q)
+
+
+def _power(
+    vector: Any, q: Any, *, plan: _Plan, others: list[Any], op: str, comm: Any, size: int
+) -> tuple[Any, Any, Any, Any]:
+    """PowerSGD's step: the reduced approximation, this rank's error, the exact leaves
+    (``others``, reduced with the ``P`` factors) and the next ``Q``."""
+    ms, start = [], 0
+    for n, m, _ in plan.matrices:
+        ms.append(vector[start : start + n * m].reshape(n, m))
+        start += n * m
+    ps = [mat @ qi for mat, qi in zip(ms, q, strict=True)]
+    got = _comm.reduce_all([*ps, *others], op, comm=comm, check=False)
+    ps, out = [_orthonormal(p) for p in got[: len(ps)]], list(got[len(ps) :])
+    qs = [mat.T @ p for mat, p in zip(ms, ps, strict=True)]
+    qs = _comm.reduce_all(qs, op, comm=comm, check=False)
+    approx = [p @ qn.T for p, qn in zip(ps, qs, strict=True)]
+    reduced = jnp.concatenate([a.ravel() for a in approx])
+    scale = size if op == "sum" else 1
+    error = vector - reduced / scale
+    # a zero gradient gives a zero Q, from which no later P could grow: keep the old
+    q = tuple(jnp.where(jnp.any(qn != 0), qn, qo) for qn, qo in zip(qs, q, strict=True))
+    return reduced, error, out, q
 
 
 def _check_state(

@@ -130,7 +130,7 @@ def test_fp16_saturates_a_large_gradient_and_passes_infinities_through():
     state = tx.init(grads)
     out, state = jax.jit(tx.update)(grads, state)
     w = np.asarray(out["w"])
-    assert np.isfinite(w[0]) and w[0] == np.float16(65504)  # summed in float32, saturated
+    assert w[0] == np.float16(65504)  # summed in float32, saturated
     assert w[1] == size
     assert np.isposinf(w[2])  # an infinity on any rank is the result on every rank
     residual = _everyone({"r": _residual(state)})["r"]
