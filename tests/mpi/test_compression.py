@@ -157,7 +157,7 @@ def test_powersgd_keeps_what_it_misses_and_starts_at_start_step():
     update = jax.jit(tx.update)
     first, state = update(grads, state)  # exact, at full width
     mean = jaxddp.allreduce(grads)
-    np.testing.assert_allclose(first["w"], mean["w"], rtol=1e-6)
+    np.testing.assert_allclose(first["w"], mean["w"], rtol=1e-6, atol=1e-7)  # sum orders
     assert not np.any(_residual(state))
     out, state = update(grads, state)  # compressed: result + mean residual = mean gradient
     res = _everyone({"r": _residual(state)})["r"].mean(0)
@@ -165,7 +165,8 @@ def test_powersgd_keeps_what_it_misses_and_starts_at_start_step():
         np.asarray(out["w"]).ravel() + res, np.asarray(mean["w"]).ravel(), atol=1e-5
     )
     assert np.linalg.matrix_rank(np.asarray(out["w"]), tol=1e-4) == 1
-    np.testing.assert_array_equal(out["b"], mean["b"])  # a vector travels exactly
+    # a vector travels at full width (MPI may order its sum otherwise in a larger buffer)
+    np.testing.assert_allclose(out["b"], mean["b"], rtol=1e-6, atol=1e-7)
     q = _everyone({"q": state.q[0]})["q"]
     np.testing.assert_array_equal(q[0], q[-1])  # the warm start is the same everywhere
 
