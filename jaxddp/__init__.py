@@ -34,6 +34,8 @@ from ._runtime.launcher import LauncherWarning as LauncherWarning
 from ._runtime.launcher import check_launcher as check_launcher
 from ._training.checkpoint.manager import CheckpointManager as CheckpointManager
 from ._training.checkpoint.manager import DamagedCheckpointError as DamagedCheckpointError
+from ._training.compression import CompressionState as CompressionState
+from ._training.compression import PowerSGD as PowerSGD
 from ._training.gradients import allreduce_gradients as allreduce_gradients
 from ._training.gradients import resolve_unused_parameters as resolve_unused_parameters
 from ._training.metrics import masked_mean as masked_mean
@@ -72,6 +74,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "CheckpointManager",
+    "CompressionState",
     "DamagedCheckpointError",
     "DistributedSampler",
     "JoinedStream",
@@ -79,6 +82,7 @@ __all__ = [
     "LauncherReport",
     "LauncherWarning",
     "LinenSyncBatchNorm",
+    "PowerSGD",
     "SettingError",
     "ShardedOptimizer",
     "ShardedState",

@@ -136,6 +136,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="samples per rank and step; the global batch is this times the number of ranks",
     )
     parser.add_argument("--lr", type=float, default=3e-3, help="Adam's learning rate")
+    parser.add_argument(
+        "--compression",
+        default="none",
+        help="how gradients travel: none (exact), bf16, fp16, or powersgd-R (PowerSGD of rank R)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="data split, shuffling and init")
     parser.add_argument(
         "--checkpoint-dir", default=None, help="save the training state there after every epoch"
@@ -169,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     # synchronize gives all of them rank 0's, so that they train one model.
     model = MLP(nnx.Rngs(args.seed + rank))
     nnx.update(model, jaxddp.synchronize(nnx.state(model, nnx.Param)))
-    tx = optax.chain(jaxddp.allreduce_gradients(), optax.adam(args.lr))
+    tx = optax.chain(
+        jaxddp.allreduce_gradients(compression=compression(args.compression)),
+        optax.adam(args.lr),
+    )
     optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
     sampler = jaxddp.DistributedSampler(len(x_train), shuffle=True, seed=args.seed)
@@ -225,6 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     if checkpoints is not None:
         checkpoints.close()
     return 0 if same else 1
+
+
+def compression(name: str) -> str | jaxddp.PowerSGD | None:
+    """``--compression``'s value as ``allreduce_gradients`` takes it."""
+    if name == "none":
+        return None
+    if name.startswith("powersgd-"):
+        return jaxddp.PowerSGD(rank=int(name.removeprefix("powersgd-")))
+    return name
 
 
 def training_state(
