@@ -41,7 +41,7 @@ from jax.core import Tracer
 from .._collectives import api as _comm
 from .._collectives import signature as _signature
 from .._collectives._jax import xla as _xla
-from .._types import Communicator
+from .._types import Communicator, ReduceOp
 from .zero.slices import allgather, alltoall
 from .zero.state import ShardedState, Slicing
 
@@ -212,8 +212,8 @@ def _describe(compression: Compression, error_feedback: bool) -> str:
 def _my_rank(jax_comm: Any, rank: int) -> Any:
     """This rank's index: a traced ``axis_index`` inside ``jaxddp.spmd`` with ``xla`` (every
     rank's program must be the same there), the Python number elsewhere."""
-    name = _xla.axis_for(jax_comm)
-    return rank if name is None else jax.lax.axis_index(name)
+    active = _xla.active(jax_comm)
+    return rank if active is None else jax.lax.axis_index(active.axis)
 
 
 def _to_narrow(x: Any, dtype: Any) -> Any:
@@ -224,7 +224,7 @@ def _to_narrow(x: Any, dtype: Any) -> Any:
 
 
 def _cast_reduce(
-    v: Any, dtype: Any, op: str, *, comms: tuple[Any, Any], size: int, me: Any
+    v: Any, dtype: Any, op: ReduceOp, *, comms: tuple[Any, Any], size: int, me: Any
 ) -> tuple[Any, Any]:
     """The reduced float32 vector and this rank's error (both roundings) of the narrow
     reduce-scatter and allgather of ``v``."""
@@ -256,7 +256,7 @@ def compressed_allreduce(
     *,
     compression: Compression,
     error_feedback: bool,
-    op: str,
+    op: ReduceOp,
     comm: Communicator | None,
     check: bool,
     tree: Any,
@@ -336,7 +336,7 @@ def compressed_allreduce(
 
 
 def _power(
-    vector: Any, q: Any, *, plan: _Plan, others: list[Any], op: str, comm: Any, size: int
+    vector: Any, q: Any, *, plan: _Plan, others: list[Any], op: ReduceOp, comm: Any, size: int
 ) -> tuple[Any, Any, Any, Any]:
     """PowerSGD's step: the reduced approximation, this rank's error, the exact leaves
     (``others``, reduced with the ``P`` factors) and the next ``Q``."""

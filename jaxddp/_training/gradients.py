@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.core import Tracer
 
 from .._base import settings as _settings
 from .._collectives import api as _comm
@@ -247,9 +248,7 @@ def _compressed(
     jitted = jax.jit(update)
 
     def update_fn(updates: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
-        traced = any(
-            isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves((updates, state))
-        )
+        traced = any(isinstance(x, Tracer) for x in jax.tree_util.tree_leaves((updates, state)))
         # outside jax.jit, compiled once per tree: the narrow transport is traced collectives
         return update(updates, state, params) if traced else jitted(updates, state, params)
 
