@@ -1,28 +1,15 @@
-"""Checkpoints every rank agrees on: written once with Orbax, in the background, restored
-everywhere.
-
-Orbax knows processes through ``jax.process_index()``, which is 0 on every MPI rank (jax
-knows nothing of MPI): left alone, every rank believes it is the primary writer. Here the
-first rank of the communicator does all file I/O with a single-process Orbax
-``CheckpointManager``; the others learn its outcome, an error included, so that every rank
-raises the same error and none waits forever. A save copies the state to host memory and
-returns; the write goes on in a thread (:mod:`.background`) and the manager's next call, on
-every rank, waits for it and raises its error; the ranks' copies are compared on that thread before
-the writer writes, and a save whose ranks hold other values is refused the same way
-(:mod:`.replicated`). A restored state is read by that rank and
-broadcast, so the directory needs to be visible to it alone (a ``ShardedState``'s slices
-excepted: every rank writes its own before ``save`` returns, :mod:`.sharded`). Every saved
-array carries a CRC-32 of its bytes in the step's metadata; a restore verifies them on the
-reading rank before any rank uses the values, and a resume (``restore(None, ...)``) falls
-back to the newest intact checkpoint.
-"""
+"""Checkpoints every rank agrees on: written once with Orbax by the first rank, in the
+background, restored everywhere (:class:`CheckpointManager` says how). Orbax knows processes
+through ``jax.process_index()``, 0 on every MPI rank, so the first rank does all file I/O and
+the others learn its outcome: every rank raises the same error and none waits forever. The
+save's thread and its outcomes: :mod:`.saving`; the ranks' comparison: :mod:`.replicated`;
+a ``ShardedState``'s slices: :mod:`.sharded`."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import warnings
-from collections.abc import Callable
 from typing import Any, Self
 
 import jax
@@ -32,15 +19,14 @@ from ..._collectives import consistency as _consistency
 from ..._runtime import world as _world
 from ..._types import Communicator
 from . import background as _background
-from . import replicated, sharded
+from . import saving as _saving
+from . import sharded
 from .steps import (
     check_step,
     move_aside,
     open_orbax,
     read_step,
-    remove_leftovers,
     require_orbax,
-    write_step,
 )
 from .trees import DamagedCheckpointError, restored_like, to_storable
 
@@ -78,11 +64,10 @@ class CheckpointManager:
     :func:`jaxddp.allreduce_gradients` and :func:`jaxddp.average_state` they are): the first
     rank's is the one saved, so a save where any rank holds other values (compared by
     fingerprint; a ``ShardedState``'s slices, each rank's own, excepted) is refused on every
-    rank with a ValueError naming the entry, and nothing of it is written. A background
-    save compares the ranks' host copies on its own thread, before the write: the refusal
-    comes from the manager's next call, as a failed write's error does.
+    rank with a ValueError naming the entry (from the manager's next call, after a background
+    save), and nothing of it is written.
 
-    Needs ``orbax-checkpoint``: without it, ImportError (``pip install "jaxddp[checkpoint]"``).
+    Needs ``orbax-checkpoint``: without it, ImportError (``pip install orbax-checkpoint``).
 
     Args:
       directory: where checkpoints go, one subdirectory per step; created if missing.
@@ -115,9 +100,7 @@ class CheckpointManager:
         require_orbax()  # on every rank, before any rank waits for the others
         self._background = background
         self._write: _background.Write | None = None  # the writer's save in flight
-        # the last save's host copy: the next save copies into its buffers once that save
-        # is settled (no fresh pages to fault in and zero: about half the copy's time)
-        self._spare: Any = None
+        self._spare: Any = None  # the last save's host copy: the next one copies into it
         self._in_flight: int | None = None  # its step, on every rank
         self._user_comm, self._comm = comm, _world.check_comm(comm)
         self._writer = self._comm.Get_rank() == _ROOT
@@ -125,11 +108,10 @@ class CheckpointManager:
         self._manager: Any = None
         self._damaged: set[int] = set()  # steps that restore found damaged, on every rank
         self._meet("CheckpointManager(...)")
-        # Background saves compare the ranks' states on their own thread, beside the loop's
-        # collectives: on a communicator of their own, which needs MPI_THREAD_MULTIPLE
-        # (jaxddp starts MPI with it). Without it, ``save`` compares them itself.
+        # background saves compare on their own thread, on a communicator of their own:
+        # MPI_THREAD_MULTIPLE (jaxddp's); without it, ``save`` compares them itself
         self._compare_comm: Any = None
-        if background and self._comm.Get_size() > 1 and _threads_may_talk():
+        if background and self._comm.Get_size() > 1 and _saving.threads_may_talk():
             self._compare_comm = self._comm.Dup()
         self._manager = self._on_writer(
             lambda: open_orbax(self.directory, max_to_keep),
@@ -149,7 +131,7 @@ class CheckpointManager:
             try:
                 result = action()
             except Exception as e:  # noqa: BLE001 - reported on every rank below
-                error = (_kind(e), f"{type(e).__name__}: {e}")
+                error = (_saving.kind_of(e), f"{type(e).__name__}: {e}")
         self._raise_on_every_rank(error, doing)
         return result
 
@@ -158,15 +140,15 @@ class CheckpointManager:
         error = self._comm.bcast(error, root=_ROOT)
         if error is not None:
             kind, text = error
-            if kind in _REFUSED:  # the ranks' comparison: the same whole message everywhere
-                raise _REFUSED[kind](text)
+            if kind in _saving.REFUSED:  # the ranks' comparison: the same whole message everywhere
+                raise _saving.REFUSED[kind](text)
             where = "" if self._writer else f" (on rank {_ROOT}, which writes)"
             msg = f"Could not {doing}{where}: {text}"
-            raise _ERRORS[kind](msg)
+            raise _saving.ERRORS[kind](msg)
 
     def _meet(self, call: str) -> None:
         """Returns once every rank has called ``call`` (:func:`.consistency.roll_call`)."""
-        _consistency.roll_call(self._comm, call, why=_COLLECTIVE)
+        _consistency.roll_call(self._comm, call, why=_saving.COLLECTIVE)
 
     def _manager_or_raise(self) -> Any:
         if self._writer and self._manager is None:
@@ -208,9 +190,8 @@ class CheckpointManager:
         compared here, before ``save`` returns; with ``background=False``, it returns when
         the checkpoint is complete on disk, or raises its error on every rank.
 
-        A step is saved once, except one that :meth:`restore` found damaged (and skipped):
-        its folder is moved aside to ``<step>.damaged`` (named in a RuntimeWarning on every
-        rank) and the step is saved anew."""
+        A step is saved once, except one that :meth:`restore` found damaged: its folder is
+        moved aside to ``<step>.damaged`` (a RuntimeWarning) and the step saved anew."""
         self._meet("CheckpointManager.save")
         step = check_step(step)
         storable = to_storable(state)
@@ -221,23 +202,10 @@ class CheckpointManager:
         doing = f"save checkpoint {step} in {self.directory!r}"
         tree, pieces = sharded.split_state(self._comm, storable, step)  # the slices: apart
         compare_comm = self._compare_comm
-        host: Any = None
-        held: tuple[Any, replicated.Refusal | None] | None = None
-        if compare_comm is None:
-            # compared here, before anything is written: the same on every rank where it
-            # must be (the slices aside), or refused on every rank; the writer holds its
-            # host copy
-            copy = self._writer and self._background
-            host = replicated.same_on_every_rank(
-                self._comm, tree, step=step, doing=doing, copy=copy, into=self._spare
-            )
-            self._spare = host if copy else None
-        else:
-            # every rank copies its state to host memory and returns; the copies are
-            # compared on the save's own thread before the writer writes, and a refusal
-            # is raised by the next call (_settle), on every rank
-            held = replicated.hold(tree, copy=True, into=self._spare)
-            self._spare = held[0] if held[1] is None else None
+        host, held, self._spare = _saving.host_copy(
+            self._comm, compare_comm, tree, writer=self._writer, background=self._background,
+            spare=self._spare, step=step, doing=doing,
+        )  # fmt: skip
         # a ShardedState's slices: written by every rank, complete before Orbax lists the step
         entry = sharded.save_slices(
             self._comm, self.directory, step, pieces, self._manager_or_raise
@@ -254,19 +222,13 @@ class CheckpointManager:
             return manager
 
         manager = self._on_writer(check_new, doing)
-        if held is None:
-            if self._writer:
-                self._write = _background.Write(
-                    step, lambda: write_step(manager, step, host, entry), self.directory, _kind
-                )
-        else:
-            assert compare_comm is not None  # held is made only with a comm to compare on
-            work = _compare_then_write(
-                compare_comm, held, step, doing, (manager, entry) if self._writer else None
-            )
-            del held
-            watch = self.directory if self._writer else None
-            self._write = _background.Write(step, work, watch, _kind)
+        write = _saving.writing(
+            compare_comm, host, held, step=step, doing=doing, directory=self.directory,
+            write=(manager, entry) if self._writer else None,
+        )  # fmt: skip
+        del held
+        if write is not None:
+            self._write = write
         self._in_flight = step
         _background.in_flight(self)
         if not self._background:
@@ -420,12 +382,9 @@ class CheckpointManager:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if exc_type is None:
-            self.close()
-            return
-        # An exception is propagating on this rank: no collective now (the other ranks may
-        # be elsewhere, and the exception must reach the fail-fast abort).
-        self._release_alone()
+        # an exception propagating on this rank: no collective now (the other ranks may be
+        # elsewhere, and the exception must reach the fail-fast abort)
+        self.close() if exc_type is None else self._release_alone()
 
     def _release_alone(self) -> None:
         """Finishes this rank's write and releases Orbax here alone."""
@@ -438,58 +397,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"jaxddp.CheckpointManager({self.directory!r})"
-
-
-_COLLECTIVE = (
-    "Every method of jaxddp.CheckpointManager is a collective (the first rank writes, and "
-    "every rank learns the outcome): call it on every rank, not under `if rank == 0:`."
-)
-
-
-def _threads_may_talk() -> bool:
-    """Whether MPI lets a thread other than the main one make calls beside it."""
-    MPI = _world.mpi()
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
-
-
-def _compare_then_write(comm: Communicator, held: tuple[Any, replicated.Refusal | None],
-                        step: int, doing: str, write: tuple[Any, dict[str, Any]] | None,
-                        ) -> Callable[[], None]:  # fmt: skip
-    """The work of a background save's thread on every rank: compare this rank's host copy
-    with the others' (a collective on ``comm``, which this save alone uses), then, on the
-    writer (``write``: Orbax's manager and the step's metadata entry), write it. A refusal
-    writes nothing (and removes the step's slices, written before) and is raised by the
-    manager's next call on every rank, as the writer's error."""
-    box = [held]  # emptied once compared: a rank that does not write frees its copy then
-
-    def work() -> None:
-        host, error = box.pop()
-        refusal = replicated.compare(comm, host, error, step=step, doing=doing)
-        if write is None:
-            return  # the writer, which compared the same, reports the outcome
-        manager, entry = write
-        if refusal is not None:
-            remove_leftovers(manager)  # the slices of a step that Orbax will never list
-            raise replicated.Refused(*refusal)
-        write_step(manager, step, host, entry)
-
-    return work
-
-
-def _kind(error: BaseException) -> str:
-    if isinstance(error, replicated.Refused):
-        return f"refused {error.kind.__name__}"
-    if isinstance(error, DamagedCheckpointError):
-        return "damaged"
-    return "invalid" if isinstance(error, ValueError) else "other"
-
-
-_REFUSED: dict[str, type[Exception]] = {
-    f"refused {kind.__name__}": kind for kind in (ValueError, TimeoutError, RuntimeError)
-}  # a background save's comparison, raised with its message as it is
-
-_ERRORS: dict[str, type[Exception]] = {
-    "damaged": DamagedCheckpointError,
-    "invalid": ValueError,
-    "other": RuntimeError,
-}
