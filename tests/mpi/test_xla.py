@@ -383,3 +383,27 @@ def test_a_collective_on_one_rank_only_raises_on_every_rank_and_spmd_must_be_out
     with pytest.raises(TypeError, match="must be the outermost transformation"):
         jax.jit(inner)(jnp.ones(2))
     assert float(jaxddp.spmd(jnp.sum)(jnp.zeros((0, 3)))) == 0.0  # no data at all
+
+
+def test_the_wrapped_step_lowers_for_cuda_to_xlas_all_reduce_without_an_mpi_call():
+    """The GPU path's program, built on this CPU machine: the step's collectives become
+    XLA's own all-reduce (NCCL on GPUs), and no MPI custom call is left in it."""
+    tx = optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-2))
+
+    def step(params, opt_state, x, y, mask):
+        grads = jax.grad(_loss)(params, x, y, mask, jaxddp.masked_mean)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    run = jaxddp.spmd(step)
+    x, y, mask = _global_batch(0)
+    params = _params()
+    args = (params, tx.init(params), _mine(x), _mine(y), _mine(mask))
+    run(*args)
+    (form,) = run._forms.values()
+    leaves = jax.tree.leaves({"args": list(args), "kwargs": {}, "nnx_state": None})
+    device = jax.local_devices()[0]
+    blocks = [form.make(i, jax.device_put(leaf, device)) for i, leaf in enumerate(leaves)]
+    text = form.run.trace(*blocks).lower(lowering_platforms=("cuda",)).as_text()
+    assert "all_reduce" in text
+    assert "custom_call" not in text
