@@ -155,8 +155,11 @@ def _fingerprints(tree: Any) -> list[tuple[tuple[str, ...], Any]]:
     GIL, so the leaves are read on a few threads at once."""
     leaves = _by_path(tree)
     workers = min(4, os.cpu_count() or 1, max(1, len(leaves)))
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        prints = list(pool.map(fingerprint, leaves.values()))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            prints = list(pool.map(fingerprint, leaves.values()))
+    except RuntimeError:  # exit has begun (a save in flight at exit): no thread may start
+        prints = [fingerprint(leaf) for leaf in leaves.values()]
     return list(zip(leaves, prints, strict=True))
 
 
