@@ -86,6 +86,31 @@ def is_concrete(x: Any) -> bool:
     return not isinstance(x, Tracer)
 
 
+def agreed(
+    tree: PyTree, comm: Communicator | None, call: str, *, op: Any = None, root: Any = None
+) -> tuple[int, int, tuple[Any, Any], tuple[list[Any], Any], bool]:
+    """A collective's start: ``(rank, size, (compiled comm, host comm), (leaves, treedef),
+    concrete)`` once every rank of ``comm`` agreed on the signature of ``call`` of ``tree``
+    (``JAXDDP_CHECK``; a ``root`` is checked against the size first)."""
+    rank, size, jax_comm, host_comm = channels(comm)
+    if root is not None:
+        check_root(root, size)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    concrete = all(is_concrete(x) for x in leaves)
+    if size > 1:
+        _signature.check_call(
+            host_comm,
+            call,
+            what=f"tree passed to `{call}`",
+            traced=not concrete,
+            op=op,
+            root=root,
+            tree=tree,
+            flat=(leaves, treedef),
+        )
+    return rank, size, (jax_comm, host_comm), (leaves, treedef), concrete
+
+
 def allreduce(tree: PyTree, op: ReduceOp = "mean", *, comm: Communicator | None = None) -> Any:
     """Reduces every leaf of a pytree across all ranks; usable inside and outside ``jax.jit``.
 
@@ -247,22 +272,10 @@ def _rooted(
     ``root``, divides a ``"mean"``; the other ranks get their leaves back. A broadcast
     (``op=None``) moves a typed PRNG key as its key data and gives back a key.
     """
-    rank, size, jax_comm, host_comm = channels(comm)
-    check_root(root, size)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    if size > 1:
-        concrete = all(is_concrete(x) for x in leaves)
-        call = "broadcast" if op is None else "reduce"
-        _signature.check_call(
-            host_comm,
-            call,
-            what=f"tree passed to `{call}`",
-            traced=not concrete,
-            op=op,
-            root=root,
-            tree=tree,
-            flat=(leaves, treedef),
-        )
+    call = "broadcast" if op is None else "reduce"
+    rank, size, (jax_comm, host_comm), (leaves, treedef), _ = agreed(
+        tree, comm, call, op=op, root=root
+    )
     if op is not None:
         check_reducible(tree, leaves, op, "reduce", others_pass=True)
     picked = [i for i, leaf in enumerate(leaves) if is_number_or_array(leaf)]

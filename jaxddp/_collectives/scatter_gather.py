@@ -24,9 +24,8 @@ import numpy as np
 
 from .._types import Communicator, PyTree
 from . import dtypes as _dtypes
-from . import signature as _signature
 from ._jax import ops
-from .api import channels, is_concrete, mpi_op_of
+from .api import agreed, mpi_op_of
 from .checks import check_reducible, is_number_or_array, leaf_path
 from .dtypes import is_key_dtype
 from .wire import chunks, from_wire, plan, to_wire
@@ -90,19 +89,9 @@ def reduce_scatter(
       >>> mine["w"].shape, float(mine["w"][0, 0]) == w
       ((2, 3), True)
     """
-    _, size, jax_comm, host_comm = channels(comm)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    concrete = all(is_concrete(x) for x in leaves)
-    if size > 1:
-        _signature.check_call(
-            host_comm,
-            "reduce_scatter",
-            what="tree passed to `reduce_scatter`",
-            traced=not concrete,
-            op=op,
-            tree=tree,
-            flat=(leaves, treedef),
-        )
+    _, size, (jax_comm, host_comm), (leaves, treedef), concrete = agreed(
+        tree, comm, "reduce_scatter", op=op
+    )
     if op not in SCATTER_OPS:
         msg = (
             f"Expected `op` of `reduce_scatter` to be 'sum' or 'mean', got {op!r} instead. "
@@ -177,18 +166,7 @@ def all_gather(tree: PyTree, *, tiled: bool = False, comm: Communicator | None =
       >>> everyone["r"].tolist() == list(range(jaxddp.world_size()))
       True
     """
-    _, size, jax_comm, host_comm = channels(comm)
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    concrete = all(is_concrete(x) for x in leaves)
-    if size > 1:
-        _signature.check_call(
-            host_comm,
-            "all_gather",
-            what="tree passed to `all_gather`",
-            traced=not concrete,
-            tree=tree,
-            flat=(leaves, treedef),
-        )
+    _, size, (jax_comm, host_comm), (leaves, treedef), concrete = agreed(tree, comm, "all_gather")
     for i, leaf in enumerate(leaves):
         if not is_number_or_array(leaf):
             msg = (
