@@ -48,6 +48,7 @@ __all__ = [
     "describe_tree",
     "enabled",
     "explain",
+    "wait",
 ]
 
 
@@ -265,23 +266,33 @@ def _exchange(comm: Communicator, digest: int, timeout: float, what: str) -> boo
     MPI = _mpi()
     buffer = np.array([digest, -digest], np.int64)
     request = comm.Iallreduce(MPI.IN_PLACE, buffer, MPI.MAX)
+
+    def late() -> str:
+        return (
+            f"Rank {comm.Get_rank()} waited {timeout:g} s in jaxddp's check of the "
+            f"{what} and not every rank arrived: some rank is running different code "
+            "(another branch, a loop that ended early, a step compiled again on some "
+            f"ranks only, a collective called inside `jax.jit` on some ranks and outside "
+            f"it on others). Raise the wait with {TIMEOUT_VARIABLE}=<seconds> if the "
+            "ranks are just slow."
+        )
+
+    wait(request, buffer, timeout, late)
+    return int(buffer[0]) == -int(buffer[1])
+
+
+def wait(request: Any, buffers: Any, timeout: float, late: Callable[[], str]) -> None:
+    """Waits for the non-blocking ``request``; after ``timeout`` seconds raises
+    TimeoutError(``late()``), keeping the request and its ``buffers`` alive (MPI may still
+    write into them if the missing ranks arrive later)."""
     deadline = time.monotonic() + timeout
     pause = 1e-5
     while not request.Test():
         if time.monotonic() > deadline:
-            _abandoned.append((request, buffer))
-            msg = (
-                f"Rank {comm.Get_rank()} waited {timeout:g} s in jaxddp's check of the "
-                f"{what} and not every rank arrived: some rank is running different code "
-                "(another branch, a loop that ended early, a step compiled again on some "
-                f"ranks only, a collective called inside `jax.jit` on some ranks and outside "
-                f"it on others). Raise the wait with {TIMEOUT_VARIABLE}=<seconds> if the "
-                "ranks are just slow."
-            )
-            raise TimeoutError(msg)
+            _abandoned.append((request, buffers))
+            raise TimeoutError(late())
         time.sleep(pause)
         pause = min(pause * 2, 1e-3)
-    return int(buffer[0]) == -int(buffer[1])
 
 
 def mismatch_message(everyone: list[Signature], what: str) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import pickle
 import struct
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,10 +34,6 @@ __all__ = ["BLOCK", "agree", "digest", "fingerprint"]
 
 BLOCK = 16  # int64: the digest, the number of fingerprints, up to 14 of them
 _HEAD = 2
-
-# Requests given up on at their deadline, kept with their buffers: MPI may still write into
-# them when the missing ranks arrive, so they must never be freed.
-_abandoned: list[Any] = []
 
 
 def fingerprint(x: Any) -> int:
@@ -56,34 +51,6 @@ def fingerprint(x: Any) -> int:
     else:
         raw = np.ascontiguousarray(np.asarray(x)).tobytes()
     return int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little", signed=True)
-
-
-def _mpi() -> Any:
-    from mpi4py import MPI
-
-    return MPI
-
-
-def _wait(request: Any, buffers: Any, comm: Any, timeout: float, what: str) -> None:
-    """Waits for ``request``; TimeoutError after ``timeout`` seconds, naming ``what``."""
-    if request.Test():
-        return
-    deadline = time.monotonic() + timeout
-    pause = 2e-6
-    while not request.Test():
-        if time.monotonic() > deadline:
-            _abandoned.append((request, buffers))
-            msg = (
-                f"Rank {comm.Get_rank()} waited {timeout:g} s for every rank to call {what} "
-                "and not every rank arrived: some rank left its loop early (one step less "
-                "than the others), runs another branch, or is stuck elsewhere. Give every "
-                "rank the same number of steps (`jaxddp.DistributedSampler`, `jaxddp.join`); "
-                f"raise the wait with {_signature.TIMEOUT_VARIABLE}=<seconds> if the ranks "
-                "are just slow."
-            )
-            raise TimeoutError(msg)
-        time.sleep(pause)
-        pause = min(pause * 2, 1e-3)
 
 
 def digest(signature: _signature.Signature) -> int:
@@ -118,7 +85,19 @@ def agree(
     send[_HEAD : _HEAD + len(first)] = first
     received = np.empty((size, BLOCK), np.int64)
     request = comm.Iallgather(send, received)
-    _wait(request, (send, received), comm, _settings.check_timeout(), call)
+    timeout = _settings.check_timeout()
+
+    def late() -> str:
+        return (
+            f"Rank {comm.Get_rank()} waited {timeout:g} s for every rank to call {call} "
+            "and not every rank arrived: some rank left its loop early (one step less "
+            "than the others), runs another branch, or is stuck elsewhere. Give every "
+            "rank the same number of steps (`jaxddp.DistributedSampler`, `jaxddp.join`); "
+            f"raise the wait with {_signature.TIMEOUT_VARIABLE}=<seconds> if the ranks "
+            "are just slow."
+        )
+
+    _signature.wait(request, (send, received), timeout, late)
     if not (received[:, 0] == form).all():
         everyone = comm.allgather(signature())
         raise _signature.TreeMismatchError(_signature.mismatch_message(everyone, what))
