@@ -101,8 +101,10 @@ class Mapped:
             self._blocked = NamedSharding(mesh, BLOCKED)
             self._device = mesh.devices.flat[jax.process_index()]
             # this rank's device's sharding, as its arrays carry it (jax 0.12.1 deprecates
-            # naming the class)
-            self._mine = jax.device_put(0, self._device).sharding
+            # naming the class); made eagerly even when the first call is traced, which is
+            # refused below
+            with jax.ensure_compile_time_eval():
+                self._mine = jax.device_put(0, self._device).sharding
         kinds, avals = self._read(leaves)
         if kinds is None:  # traced values
             if _xla.axis() is not None:  # inside another spmd step: already mapped
