@@ -188,9 +188,8 @@ def _jax_gloo(tree: dict[str, np.ndarray]) -> Callable[[], object]:
     return lambda: jax.block_until_ready(f(arrays))
 
 
-def impl_torch_gloo(tree: dict[str, np.ndarray]) -> Callable[[], object]:
-    """torch.distributed over gloo: one in-place all_reduce of a flat tensor (DDP's bucket)."""
-    import torch
+def start_torch_gloo() -> None:
+    """torch.distributed's gloo process group over the ranks, started once."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -200,6 +199,14 @@ def impl_torch_gloo(tree: dict[str, np.ndarray]) -> Callable[[], object]:
             rank=jaxddp.rank(),
             world_size=jaxddp.world_size(),
         )
+
+
+def impl_torch_gloo(tree: dict[str, np.ndarray]) -> Callable[[], object]:
+    """torch.distributed over gloo: one in-place all_reduce of a flat tensor (DDP's bucket)."""
+    import torch
+    import torch.distributed as dist
+
+    start_torch_gloo()
     flat = torch.from_numpy(np.concatenate([x.ravel() for x in tree.values()]))
     return lambda: dist.all_reduce(flat)
 

@@ -47,7 +47,7 @@ import numpy as np
 import optax
 
 import jaxddp
-from benchmarks.bench_allreduce import _free_port_from_rank0, interleaved
+from benchmarks.bench_allreduce import interleaved, start_torch_gloo
 from benchmarks.bench_xla import _stacked, own_program, residual_loss, residual_params
 
 MODELS = ((4, 256), (24, 64), (100, 32))  # (blocks, width): 20, 100, 404 leaves
@@ -125,17 +125,10 @@ def start_torch() -> str | None:
     """torch's version with its gloo process group started, or None without torch."""
     try:
         import torch
-        import torch.distributed as dist
     except ImportError:
         return None
     torch.set_num_threads(1)
-    if not dist.is_initialized():
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{_free_port_from_rank0()}",
-            rank=jaxddp.rank(),
-            world_size=jaxddp.world_size(),
-        )
+    start_torch_gloo()
     return torch.__version__
 
 
