@@ -143,6 +143,14 @@ def test_an_inner_optimizer_that_reduces_across_elements_is_refused_at_init(inne
     assert "slice" in str(info.value)
 
 
+@pytest.mark.parametrize("compression", ["bf16", jaxddp.PowerSGD(rank=2)], ids=str)
+def test_compression_inside_the_sharded_optimizer_is_refused_at_init(compression):
+    """It would reduce this rank's slice with the other ranks' slices (other parameters)."""
+    inner = optax.chain(jaxddp.allreduce_gradients(compression=compression), optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"has no gradient compression.*optax\.chain\(jaxddp"):
+        jaxddp.shard_optimizer(inner).init({"w": jnp.ones((8, 8))})
+
+
 def test_bad_input_is_refused_with_the_fix():
     for masked in (
         optax.adamw(1e-3, mask={"w": True}),  # a tree of the parameters' structure

@@ -16,6 +16,7 @@ import jax
 import optax
 
 from ..._collectives._jax import compat as _jax_compat
+from ..compression import CompressionState
 
 __all__ = ["check_elementwise"]
 
@@ -71,20 +72,16 @@ def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) 
     """Raises ValueError where ``inner`` is not element-wise over the packed slices."""
     del clip  # clipping by the global norm runs before `inner`, on the whole gradient
     probe = tuple(jax.ShapeDtypeStruct((_PROBE,), x.dtype) for x in mine)
+    failures = (ValueError, TypeError, KeyError)  # a per-leaf tree meets the slices
     try:
         state = jax.eval_shape(inner.init, probe)
+    except failures as exc:
+        raise _fails_on_slices(exc) from exc
+    _refuse_compression(state)
+    try:
         jaxpr = jax.make_jaxpr(inner.update)(probe, state, probe)
-    except (ValueError, TypeError, KeyError) as exc:  # a per-leaf tree meets the slices
-        msg = (
-            "`shard_optimizer`'s inner optimizer fails on a rank's packed slice of the "
-            f"parameters (a tuple of 1-D arrays, one per dtype): {type(exc).__name__}: "
-            f"{str(exc).splitlines()[0].rstrip('.')}. Optimizers that name parameter leaves "
-            "(`optax.masked`, `optax.multi_transform`, adamw's `mask` as a tree), or whose update "
-            "needs more than the gradients, state and parameters (L-BFGS's line search), "
-            "cannot be sharded. "
-            f"{_UNSHARDED}"
-        )
-        raise ValueError(msg) from exc
+    except failures as exc:
+        raise _fails_on_slices(exc) from exc
     eqn = _first_reduction(jaxpr.jaxpr)
     if eqn is not None:
         where = _jax_compat.equation_frames(eqn)
@@ -104,6 +101,33 @@ def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) 
             f"{type(masked[0]).__name__} (`optax.masked`, `optax.multi_transform`, adamw's "
             "`mask`): their masks and labels name parameter leaves, which a rank's packed "
             f"slice of the gradient no longer has. {_UNSHARDED}"
+        )
+        raise ValueError(msg)
+
+
+def _fails_on_slices(exc: Exception) -> ValueError:
+    return ValueError(
+        "`shard_optimizer`'s inner optimizer fails on a rank's packed slice of the "
+        f"parameters (a tuple of 1-D arrays, one per dtype): {type(exc).__name__}: "
+        f"{str(exc).splitlines()[0].rstrip('.')}. Optimizers that name parameter leaves "
+        "(`optax.masked`, `optax.multi_transform`, adamw's `mask` as a tree), or whose update "
+        "needs more than the gradients, state and parameters (L-BFGS's line search), "
+        f"cannot be sharded. {_UNSHARDED}"
+    )
+
+
+def _refuse_compression(state: Any) -> None:
+    """An ``allreduce_gradients(compression=...)`` inside ``inner`` would reduce each rank's
+    slice with the other ranks' slices, which hold other parameters."""
+    is_compression = lambda x: isinstance(x, CompressionState)
+    if any(is_compression(x) for x in jax.tree_util.tree_leaves(state, is_leaf=is_compression)):
+        msg = (
+            "`shard_optimizer` has no gradient compression: its inner optimizer holds "
+            "`jaxddp.allreduce_gradients(compression=...)`, which would reduce this rank's "
+            "slice of the gradient with the other ranks' slices (other parameters). "
+            "`shard_optimizer` reduces the gradient itself, at full width. Compress with "
+            "`optax.chain(jaxddp.allreduce_gradients(compression=...), inner)` (the full "
+            "optimizer state on every rank), or shard without compression."
         )
         raise ValueError(msg)
 

@@ -220,7 +220,8 @@ def shard_optimizer(
     (``optax.clip_by_global_norm``, LAMB's and LARS's trust ratios, adafactor,
     ``apply_if_finite``: a reduction it would apply to its slice only), or that holds
     per-leaf masks (``optax.masked``, ``multi_transform``, adamw's ``mask``), whose leaves
-    the packed slice no longer has.
+    the packed slice no longer has, or ``allreduce_gradients(compression=...)``: the
+    gradient travels at full width here (no compression).
 
     Args:
       inner: the optimizer, element-wise.
