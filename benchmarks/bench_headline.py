@@ -10,7 +10,7 @@ jaxddp's step below is a plain ``jax.jit`` step and keeps jaxddp's MPI collectiv
 The models: the residual MLPs of the step benchmark, 4 blocks of width 256 (20 leaves),
 24 of width 64 (100 leaves), 100 of width 32 (404 leaves); a batch of 32 samples of 64
 features per rank; Adam. Timed, taking turns (``interleaved``: one sample of each per
-round, each sample ``--steps`` steps back to back, medians over ``--repeats`` rounds):
+round, each sample some steps back to back, medians over ``--repeats`` rounds):
 
 * ``jax_alone``: the step under ``jax.jit`` with ``optax.adam`` alone (no sync);
 * ``jaxddp``: the same with ``optax.chain(jaxddp.allreduce_gradients(), optax.adam)``;
@@ -24,14 +24,21 @@ round, each sample ``--steps`` steps back to back, medians over ``--repeats`` ro
 
 "Sync adds" is the step with sync minus the step alone of the same framework (JAX's own
 against ``jax_alone``). Printed as a Markdown table, with the versions measured.
+
+Each variant takes its own number of steps per sample: as many as fill ``--sample-ms`` (at
+most ``--steps``, at least one), chosen on rank 0 from a warm step and shared, so JAX's own
+program at 100 and 404 leaves (steps of 0.4 and 1.5 s over gloo here) takes one step per
+sample while the others take ten, and the run ends in minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,13 +56,18 @@ import optax
 import jaxddp
 from benchmarks.bench_allreduce import interleaved, start_torch_gloo
 from benchmarks.bench_xla import _stacked, own_program, residual_loss, residual_params
+from benchmarks.headline_table import table
+from jaxddp._collectives import api as _comm
 
 MODELS = ((4, 256), (24, 64), (100, 32))  # (blocks, width): 20, 100, 404 leaves
 FEATURES, CLASSES = 64, 10
 
 
-def jax_steps(params: Any, batch: Any, tx: Any, steps: int) -> Callable[[], None]:
-    """``steps`` jitted steps of ``tx`` back to back, the state fed back."""
+Steps = Callable[[int], None]  # runs n train steps back to back, then waits for the last
+
+
+def jax_steps(params: Any, batch: Any, tx: Any) -> Steps:
+    """Jitted steps of ``tx`` back to back, the state fed back."""
 
     @jax.jit
     def step(params, opt_state, batch):
@@ -65,15 +77,15 @@ def jax_steps(params: Any, batch: Any, tx: Any, steps: int) -> Callable[[], None
 
     state = [params, tx.init(params)]
 
-    def run() -> None:
-        for _ in range(steps):
+    def run(n: int) -> None:
+        for _ in range(n):
             state[0], state[1], loss = step(state[0], state[1], batch)
         jax.block_until_ready(loss)
 
     return run
 
 
-def own_steps(params: Any, batch: Any, steps: int) -> Callable[[], None]:
+def own_steps(params: Any, batch: Any) -> Steps:
     adam = optax.adam(1e-3)
 
     def step(params, opt_state, batch):  # the loss: the global batch's mean
@@ -83,14 +95,14 @@ def own_steps(params: Any, batch: Any, steps: int) -> Callable[[], None]:
 
     once = own_program(step, params, adam.init(params), _stacked(batch))
 
-    def run() -> None:
-        for _ in range(steps):
+    def run(n: int) -> None:
+        for _ in range(n):
             once()
 
     return run
 
 
-def torch_steps(blocks: int, width: int, batch: Any, steps: int, ddp: bool) -> Callable[[], None]:
+def torch_steps(blocks: int, width: int, batch: Any, ddp: bool) -> Steps:
     import torch
     from torch import nn
 
@@ -112,8 +124,8 @@ def torch_steps(blocks: int, width: int, batch: Any, steps: int, ddp: bool) -> C
     x, y = (torch.from_numpy(np.array(a)) for a in batch)  # writable copies
     y = y.long()
 
-    def run() -> None:
-        for _ in range(steps):
+    def run(n: int) -> None:
+        for _ in range(n):
             optimizer.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -132,23 +144,41 @@ def start_torch() -> str | None:
     return torch.__version__
 
 
-def measure(blocks: int, width: int, steps: int, repeats: int, torch: bool) -> dict[str, Any]:
+def steps_per_sample(runs: dict[str, Steps], most: int, sample_s: float) -> dict[str, int]:
+    """How many steps each variant takes per sample: enough to fill ``sample_s`` from a warm
+    step's time on rank 0 (clamped to 1..``most``), the same on every rank (each sample's
+    collectives must match)."""
+    counts = {}
+    for name, run in runs.items():
+        run(1)  # compiles
+        start = time.perf_counter()
+        run(1)
+        counts[name] = max(1, min(most, round(sample_s / (time.perf_counter() - start))))
+    return _comm.py_comm().bcast(counts, root=0)
+
+
+def measure(
+    blocks: int, width: int, *, most: int, sample_s: float, repeats: int, torch: bool
+) -> dict[str, Any]:
     key = jax.random.PRNGKey(jaxddp.rank())
     x = np.asarray(jax.random.normal(key, (32, FEATURES)))
     y = np.asarray(jax.random.randint(key, (32,), 0, CLASSES))
     params = residual_params(jax.random.PRNGKey(0), width=width, blocks=blocks)
-    fns: dict[str, Callable[[], object]] = {
-        "jax_alone": jax_steps(params, (x, y), optax.adam(1e-3), steps),
+    runs: dict[str, Steps] = {
+        "jax_alone": jax_steps(params, (x, y), optax.adam(1e-3)),
         "jaxddp": jax_steps(
-            params, (x, y), optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3)), steps
+            params, (x, y), optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))
         ),
-        "jax_own": own_steps(params, (x, y), steps),
+        "jax_own": own_steps(params, (x, y)),
     }
     if torch:
-        fns["torch_alone"] = torch_steps(blocks, width, (x, y), steps, ddp=False)
-        fns["torch_ddp"] = torch_steps(blocks, width, (x, y), steps, ddp=True)
-    medians = interleaved(fns, 3, repeats)
-    step = {name: s / steps for name, s in medians.items()}
+        runs["torch_alone"] = torch_steps(blocks, width, (x, y), ddp=False)
+        runs["torch_ddp"] = torch_steps(blocks, width, (x, y), ddp=True)
+    counts = steps_per_sample(runs, most, sample_s)
+    medians = interleaved(
+        {name: functools.partial(run, counts[name]) for name, run in runs.items()}, 2, repeats
+    )
+    step = {name: s / counts[name] for name, s in medians.items()}
     adds = {
         "jaxddp": step["jaxddp"] - step["jax_alone"],
         "jax_own": step["jax_own"] - step["jax_alone"],
@@ -158,36 +188,46 @@ def measure(blocks: int, width: int, steps: int, repeats: int, torch: bool) -> d
     leaves = len(jax.tree.leaves(params))
     nbytes = sum(np.asarray(v).nbytes for v in jax.tree.leaves(params))
     return {"blocks": blocks, "width": width, "leaves": leaves, "bytes": nbytes,
-            "step_s": step, "sync_adds_s": adds}  # fmt: skip
+            "steps_per_sample": counts, "step_s": step, "sync_adds_s": adds}  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="steps back to back per sample")
-    parser.add_argument("--repeats", type=int, default=41, help="rounds")
+    parser.add_argument(
+        "--steps", type=int, default=10, help="the most steps back to back per sample"
+    )
+    parser.add_argument(
+        "--sample-ms", type=float, default=500.0, help="a sample's length the steps fill"
+    )
+    parser.add_argument("--repeats", type=int, default=21, help="rounds")
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--table", type=Path, help="print the table of an earlier run's --out and stop"
+    )
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return
     torch_version = start_torch()
-    rows = [measure(b, w, args.steps, args.repeats, torch_version is not None) for b, w in MODELS]
+    rows = [
+        measure(
+            b,
+            w,
+            most=args.steps,
+            sample_s=args.sample_ms / 1e3,
+            repeats=args.repeats,
+            torch=torch_version is not None,
+        )
+        for b, w in MODELS
+    ]
     if jaxddp.rank() != 0:
         return
-    versions = {"jax": jax.__version__, "torch": torch_version, "ranks": jaxddp.world_size()}
-    columns = [("jaxddp", f"jaxddp (jax {jax.__version__})")]
-    if torch_version:
-        columns.append(("torch_ddp", f"PyTorch {torch_version.split('+')[0]} DDP (gloo)"))
-    columns.append(("jax_own", f"JAX's own multi-process `jax.jit` (jax {jax.__version__}, gloo)"))
-    header = " | ".join(f"{r['leaves']} leaves, {r['bytes'] / 1e6:.2g} MB" for r in rows)
-    print(f"| gradient sync by | {header} |")
-    print("|---" * (len(rows) + 1) + "|")
-    for key, label in columns:
-        print(
-            f"| {label} | "
-            + " | ".join(f"{r['sync_adds_s'][key] * 1e3:.3g} ms" for r in rows)
-            + " |"
-        )
+    result = {"jax": jax.__version__, "torch": torch_version, "ranks": jaxddp.world_size()}
+    result["rows"] = rows
+    print(table(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**versions, "rows": rows}, indent=1) + "\n")
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
