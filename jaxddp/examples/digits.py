@@ -141,6 +141,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="none",
         help="how gradients travel: none (exact), bf16, fp16, or powersgd-R (PowerSGD of rank R)",
     )
+    parser.add_argument(
+        "--powersgd-warmup",
+        type=int,
+        default=4,
+        help="epochs of exact (full-width) steps before PowerSGD starts, as PyTorch's "
+        "start_powerSGD_iter: the low-rank factors follow a gradient that has settled",
+    )
     parser.add_argument("--seed", type=int, default=0, help="data split, shuffling and init")
     parser.add_argument(
         "--checkpoint-dir", default=None, help="save the training state there after every epoch"
@@ -154,6 +161,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.powersgd_warmup < 0:
+        parser.error("--powersgd-warmup must be 0 or more")
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir")
     return args
@@ -161,8 +170,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    size = jaxddp.world_size()
+    console = Console(quiet=jaxddp.rank() != 0, soft_wrap=True)  # rank 0 speaks for everyone
+    model, accuracy, test_images = train(args, console)
+    same = identical_on_all_ranks(nnx.state(model))  # parameters and batch statistics
+    console.print(f"test accuracy: {accuracy:.2%} ({test_images} test images)")
+    console.print(f"model identical on all {size} ranks: {'yes' if same else 'NO'}")
+    console.print(f"final parameters: digest {digest(nnx.state(model, nnx.Param))}")
+    return 0 if same else 1
+
+
+def train(args: argparse.Namespace, console: Console) -> tuple[MLP, float, int]:
+    """Trains as ``args`` say (resuming and checkpointing if asked); the trained model, its
+    test accuracy and the number of test images."""
     rank, size = jaxddp.rank(), jaxddp.world_size()
-    console = Console(quiet=rank != 0, soft_wrap=True)  # rank 0 speaks for everyone
     x_train, y_train, x_test, y_test = load_digits(args.seed)
     console.print(
         f"jaxddp {jaxddp.__version__}: digits on {size} rank{'s' * (size > 1)}, "
@@ -174,14 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     # synchronize gives all of them rank 0's, so that they train one model.
     model = MLP(nnx.Rngs(args.seed + rank))
     nnx.update(model, jaxddp.synchronize(nnx.state(model, nnx.Param)))
-    tx = optax.chain(
-        jaxddp.allreduce_gradients(compression=compression(args.compression)),
-        optax.adam(args.lr),
-    )
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
     sampler = jaxddp.DistributedSampler(len(x_train), shuffle=True, seed=args.seed)
     steps = sampler.num_batches(args.batch_size)
+    sync = compression(args.compression, warmup_steps=args.powersgd_warmup * steps)
+    tx = optax.chain(jaxddp.allreduce_gradients(compression=sync), optax.adam(args.lr))
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
     checkpoints, first_epoch = None, 0
     if args.checkpoint_dir is not None:
         checkpoints = jaxddp.CheckpointManager(args.checkpoint_dir, max_to_keep=2)
@@ -224,23 +242,20 @@ def main(argv: list[str] | None = None) -> int:
 
     model.eval()  # batch norm now uses its running statistics
     accuracy = evaluate(model, x_test, y_test, batch_size=64)
-    same = identical_on_all_ranks(nnx.state(model))  # parameters and batch statistics
     trained = args.epochs - first_epoch  # a resumed run trains the epochs after its checkpoint
     console.print(f"training: {elapsed:.1f} s for {trained} epochs of {steps} steps")
-    console.print(f"test accuracy: {accuracy:.2%} ({len(x_test)} test images)")
-    console.print(f"model identical on all {size} ranks: {'yes' if same else 'NO'}")
-    console.print(f"final parameters: digest {digest(nnx.state(model, nnx.Param))}")
     if checkpoints is not None:
         checkpoints.close()
-    return 0 if same else 1
+    return model, accuracy, len(x_test)
 
 
-def compression(name: str) -> str | jaxddp.PowerSGD | None:
-    """``--compression``'s value as ``allreduce_gradients`` takes it."""
+def compression(name: str, warmup_steps: int = 0) -> str | jaxddp.PowerSGD | None:
+    """``--compression``'s value as ``allreduce_gradients`` takes it; PowerSGD starts after
+    ``warmup_steps`` exact steps."""
     if name == "none":
         return None
     if name.startswith("powersgd-"):
-        return jaxddp.PowerSGD(rank=int(name.removeprefix("powersgd-")))
+        return jaxddp.PowerSGD(rank=int(name.removeprefix("powersgd-")), start_step=warmup_steps)
     return name
 
 

@@ -297,3 +297,22 @@ def test_training_with_each_compression_ends_at_the_uncompressed_loss():
         assert abs(loss - exact) <= 0.02 * exact, (_name(compression), loss, exact)
     without, _ = _train(jaxddp.PowerSGD(rank=4), feedback=False)
     assert without > 1.04 * exact, (without, exact)
+
+
+@pytest.mark.skipif(XLA, reason="the example's step is plain jax.jit: the MPI path")
+def test_the_digits_example_reaches_the_uncompressed_accuracy_with_each_compression():
+    """The example as a user runs it (`--compression`, its defaults: 20 epochs, PowerSGD after
+    4 exact ones): each compression's test accuracy within 0.5 points of the uncompressed
+    run's (450 test images, 0.22 points each). Measured: 0.22 below to 0.45 above at 2 and 4
+    ranks; PowerSGD rank 1 without the warm-up ended 1.1 points below at 4 ranks."""
+    from rich.console import Console
+
+    from jaxddp.examples import digits
+
+    def accuracy(name):
+        return digits.train(digits.parse_args(["--compression", name]), Console(quiet=True))[1]
+
+    exact = accuracy("none")
+    for name in ("bf16", "fp16", "powersgd-1", "powersgd-4"):
+        got = accuracy(name)
+        assert abs(got - exact) <= 0.005, (name, got, exact)

@@ -104,6 +104,9 @@ def _resident_bytes():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.skipif(
+    XLA and size > 2, reason="a rank's memory does not grow with the world: the xla path at 2 ranks"
+)  # its 4-rank run took 25 s of a worker (4 ranks on 2 cores); the MPI path runs at 2 and 4
 def test_a_number_changing_every_call_and_many_shapes_keep_memory_flat():
     step = jaxddp.spmd(lambda p, lr: jax.tree.map(lambda x: x - lr * jaxddp.allreduce(x), p))
     params = {"w": jnp.ones(8), "b": jnp.zeros(2)}
