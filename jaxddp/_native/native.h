@@ -44,8 +44,9 @@ extern Mpi mpi;
 
 ffi::Error mpi_error(const char* what, int code);
 
-// Waits for one request: polls while it is young, then naps (allreduce.cc says why).
-ffi::Error wait(intptr_t* request);
+// Waits for one request of `bytes` per rank: polls while it is young, then naps, briefly
+// where the message is large (allreduce.cc says why).
+ffi::Error wait(intptr_t* request, int64_t bytes = 0);
 
 // The allreduce of `nitems` elements of MPI datatype `dtype` from host memory `in` into
 // host memory `out`: in memory the node's ranks share where the call is eligible (the

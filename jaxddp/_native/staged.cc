@@ -178,9 +178,9 @@ ffi::Error whole(void* stream, const char* in, size_t sent, char* out, size_t go
   return ffi::Error::Success();
 }
 
-ffi::Error waited(int rc, const char* what, intptr_t* request) {
+ffi::Error waited(int rc, const char* what, intptr_t* request, int64_t bytes = 0) {
   if (rc != 0) return mpi_error(what, rc);
-  return jaxddp::wait(request);
+  return jaxddp::wait(request, bytes);
 }
 
 int64_t width_of(const ffi::AnyBuffer& x) {
@@ -218,7 +218,9 @@ ffi::Error allreduce(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer>
         intptr_t request = 0;
         int rc = mpi.iallreduce(in + first * width, out + first * width, static_cast<int>(count),
                                 dtype, op, comm, &request);
-        if (ffi::Error e = waited(rc, "MPI_Iallreduce", &request); e.failure()) return e;
+        if (ffi::Error e = waited(rc, "MPI_Iallreduce", &request, count * width); e.failure()) {
+          return e;
+        }
       }
       return ffi::Error::Success();
     }
