@@ -3,9 +3,11 @@ PowerSGD of rank 1, 4 and 16, taking turns in one launch per link speed.
 
     sudo-less root only:  python benchmarks/bench_compression.py --rates 1gbit,10gbit,none
 
-The driver launches ``mpiexec -n 2`` once per link speed with ``UCX_TLS=tcp
-MPIR_CVAR_NOLOCAL=1`` (the ``mpich`` wheel's ch4 device runs UCX, which otherwise moves the
-bytes through shared memory), and for a throttled speed puts a token bucket on the loopback
+The driver launches ``mpiexec -launcher fork -hosts n0:1,n1:1 -n 2`` once per link speed
+(hydra's simulated nodes, one rank each: jaxddp's shared-memory allreduce, which serves the
+ranks of one node, stays out, as between real nodes) with ``UCX_TLS=tcp MPIR_CVAR_NOLOCAL=1``
+(the ``mpich`` wheel's ch4 device runs UCX, which otherwise moves the bytes through shared
+memory), and for a throttled speed puts a token bucket on the loopback
 device first (``tc qdisc add dev lo root tbf rate 1gbit burst 256kb latency 50ms``). The
 bucket slows every local connection of the machine, so it is removed as soon as that launch
 ends, in every case (``finally``, and SIGINT/SIGTERM handlers); never set it in tests or CI.
@@ -48,7 +50,11 @@ def _unthrottle(*_: Any) -> None:
 def _launch(rate: str, args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, UCX_TLS="tcp", MPIR_CVAR_NOLOCAL="1", PYTHONPATH=str(ROOT))
     out = Path(f"/tmp/bench_compression_{os.getpid()}_{rate}.json")
-    command = ["mpiexec", "-n", str(args.np), sys.executable, __file__, "--worker"]
+    # one rank per node, as hydra simulates nodes on one machine: jaxddp's shared-memory
+    # allreduce (ranks of one node) stays out, as it does between real nodes
+    hosts = ",".join(f"n{i}:1" for i in range(args.np))
+    command = ["mpiexec", "-launcher", "fork", "-hosts", hosts, "-n", str(args.np)]
+    command += [sys.executable, __file__, "--worker"]
     command += ["--repeats", str(args.repeats), "--out", str(out)]
     if args.models:
         command += ["--models", args.models]
