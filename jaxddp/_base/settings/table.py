@@ -112,7 +112,9 @@ NATIVE_ALLREDUCE = Setting(
     "Allreduces inside `jax.jit` (on CPU) run jaxddp's own XLA handler, built on first use "
     "with the C++ compiler (`$CXX` or `c++`) into `~/.cache/jaxddp/native` (or "
     "`$XDG_CACHE_HOME`'s): its wait gives a shared core back to the Python thread instead of "
-    "yielding it for whole time slices (see [Benchmarks](benchmarks/index.md)). Off, or where "
+    "yielding it for whole time slices (see [Benchmarks](benchmarks/index.md)), in naps that "
+    "grow to 0.5 ms, or stay at 20 µs for a message of 1 MiB or more, whose bytes over TCP "
+    "move only while the wait polls. Off, or where "
     "some rank cannot build or load it, every rank uses mpi4jax's handler; `jaxddp doctor` "
     "says which. Read once, when jaxddp's world starts; every rank must have the same value, "
     "or every rank raises `SettingError` naming each rank's.",
