@@ -75,14 +75,12 @@ def _figures(row: str) -> list[str]:
 )  # fmt: skip
 def test_the_headline_table_is_the_saved_runs(page):
     """The README's, the home page's and the Benchmarks page's comparison with PyTorch DDP and
-    JAX's own program is what benchmarks/bench_headline.py printed for the run it saved (the
-    versions measured included), and the README's prose quotes it."""
+    JAX's own program is what benchmarks/bench_headline.py printed for the run it saved (its
+    rows name the versions measured), and the README's prose quotes it."""
     from benchmarks.headline_table import table
 
     run = json.loads((ROOT / "benchmarks" / "results" / "headline-np2.json").read_text())
     assert table(run) in _read(page)
-    assert run["torch"].startswith("2.13")
-    assert run["jax"] == "0.10.2"
     readme = " ".join(_read(README).split())
     step = run["rows"][0]["step_s"]  # the 20-leaf model, which the prose quotes
     assert f"added {(step['jaxddp'] - step['jax_alone']) * 1e3:.2f} ms" in readme

@@ -247,7 +247,7 @@ ffi::Error bcast(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, 
       intptr_t request = 0;
       int rc = mpi.ibcast(buffer, static_cast<int>(nitems), dtype, static_cast<int>(root), comm,
                           &request);
-      return waited(rc, "MPI_Ibcast", &request);
+      return waited(rc, "MPI_Ibcast", &request, nitems * width);
     }
     const char* in = is_root ? static_cast<const char*>(x.untyped_data()) : nullptr;
     char* out = is_root ? nullptr : static_cast<char*>(y->untyped_data());
@@ -258,7 +258,7 @@ ffi::Error bcast(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, 
                      intptr_t request = 0;
                      int rc = mpi.ibcast(buffer, static_cast<int>(count), dtype,
                                          static_cast<int>(root), comm, &request);
-                     return waited(rc, "MPI_Ibcast", &request);
+                     return waited(rc, "MPI_Ibcast", &request, count * width);
                    });
   });
 }
@@ -277,7 +277,7 @@ ffi::Error reduce(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
       int rc = mpi.ireduce(x.untyped_data(), is_root ? y->untyped_data() : nullptr,
                            static_cast<int>(nitems), dtype, op, static_cast<int>(root), comm,
                            &request);
-      return waited(rc, "MPI_Ireduce", &request);
+      return waited(rc, "MPI_Ireduce", &request, nitems * width);
     }
     char* out = is_root && y->element_count() > 0 ? static_cast<char*>(y->untyped_data()) : nullptr;
     return chunked(stream, static_cast<const char*>(x.untyped_data()), out, nitems, width,
@@ -286,7 +286,7 @@ ffi::Error reduce(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
                      intptr_t request = 0;
                      int rc = mpi.ireduce(send, receive, static_cast<int>(count), dtype, op,
                                           static_cast<int>(root), comm, &request);
-                     return waited(rc, "MPI_Ireduce", &request);
+                     return waited(rc, "MPI_Ireduce", &request, count * width);
                    });
   });
 }
@@ -304,7 +304,7 @@ ffi::Error moved(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, 
       intptr_t request = 0;
       int rc = move(x.untyped_data(), static_cast<int>(sendcount), sendtype, y->untyped_data(),
                     static_cast<int>(recvcount), recvtype, comm, &request);
-      return waited(rc, name, &request);
+      return waited(rc, name, &request, static_cast<int64_t>(y->size_bytes()));
     }
     return whole(stream, static_cast<const char*>(x.untyped_data()), x.size_bytes(),
                  static_cast<char*>(y->untyped_data()), y->size_bytes(),
@@ -312,7 +312,7 @@ ffi::Error moved(void* stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, 
                    intptr_t request = 0;
                    int rc = move(send, static_cast<int>(sendcount), sendtype, receive,
                                  static_cast<int>(recvcount), recvtype, comm, &request);
-                   return waited(rc, name, &request);
+                   return waited(rc, name, &request, static_cast<int64_t>(y->size_bytes()));
                  });
   });
 }

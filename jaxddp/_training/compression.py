@@ -316,18 +316,17 @@ def compressed_allreduce(
             reduced, error, out, q = jax.lax.cond(
                 state.count >= psgd.start_step, power, full_width, vector, state.q
             )
-    results = list(leaves)
+    results, back = list(leaves), []
     start = 0
     for i in plan.compressed:
         n = leaves[i].size
-        part = reduced[start : start + n]
-        results[i] = part.reshape(leaves[i].shape).astype(leaves[i].dtype)
-        if residual is not None and leaves[i].dtype != jnp.float32:
-            # a bfloat16 or float16 leaf's own rounding of the result, the same on every rank
-            # (a float32 leaf has none: its part of the error is left as it is, not copied)
-            rounded = part - jnp.ravel(results[i]).astype(jnp.float32)
-            error = error.at[start : start + n].add(rounded / (size if op == "sum" else 1))
+        results[i] = reduced[start : start + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
+        back.append(jnp.ravel(results[i]).astype(jnp.float32))
         start += n
+    if residual is not None and any(leaves[i].dtype != jnp.float32 for i in plan.compressed):
+        # a bfloat16 or float16 leaf's own rounding of the result, the same on every rank (a
+        # float32 leaf has none: where all are float32 the vector is not passed over again)
+        error = error + (reduced - jnp.concatenate(back)) / (size if op == "sum" else 1)
     for i, x in zip(exact, out, strict=True):
         results[i] = x
     if residual is None:

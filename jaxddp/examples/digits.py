@@ -163,6 +163,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.powersgd_warmup < 0:
         parser.error("--powersgd-warmup must be 0 or more")
+    if args.compression.startswith("powersgd-") and args.powersgd_warmup >= args.epochs:
+        parser.error(
+            f"--powersgd-warmup {args.powersgd_warmup} is not less than --epochs {args.epochs}: "
+            "PowerSGD would never start; lower --powersgd-warmup (0 starts it at once)"
+        )
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir")
     return args

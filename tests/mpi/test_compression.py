@@ -302,9 +302,11 @@ def test_training_with_each_compression_ends_at_the_uncompressed_loss():
 @pytest.mark.skipif(XLA, reason="the example's step is plain jax.jit: the MPI path")
 def test_the_digits_example_reaches_the_uncompressed_accuracy_with_each_compression():
     """The example as a user runs it (`--compression`, its defaults: 20 epochs, PowerSGD after
-    4 exact ones): each compression's test accuracy within 0.5 points of the uncompressed
-    run's (450 test images, 0.22 points each). Measured: 0.22 below to 0.45 above at 2 and 4
-    ranks; PowerSGD rank 1 without the warm-up ended 1.1 points below at 4 ranks."""
+    4 exact ones): no compression's test accuracy more than 0.5 points below the uncompressed
+    run's (450 test images, 0.22 points each). Above it is no failure to converge: runs that
+    take other paths differ by a point either way here (measured: 0.22 below to 1.1 above at
+    2 and 4 ranks, jax 0.10 and 0.12); PowerSGD rank 1 without the warm-up ended 1.1 points
+    below at 4 ranks."""
     from rich.console import Console
 
     from jaxddp.examples import digits
@@ -315,4 +317,4 @@ def test_the_digits_example_reaches_the_uncompressed_accuracy_with_each_compress
     exact = accuracy("none")
     for name in ("bf16", "fp16", "powersgd-1", "powersgd-4"):
         got = accuracy(name)
-        assert abs(got - exact) <= 0.005, (name, got, exact)
+        assert got >= exact - 0.005, (name, got, exact)

@@ -185,6 +185,13 @@ def test_clip_global_norm_is_exact(jit):
     assert not np.allclose(ours["w"], unclipped["w"])  # the norm (> 1.5) was clipped
 
 
+def test_allreduce_gradients_inside_the_inner_optimizer_is_refused_on_every_rank():
+    """It would average this rank's slice with the other ranks' slices (other parameters)."""
+    inner = optax.chain(jaxddp.allreduce_gradients(), optax.adam(1e-3))
+    with pytest.raises(ValueError, match=r"communicates across the ranks.*jaxddp_"):
+        jaxddp.shard_optimizer(inner).init({"w": jnp.ones((8, 8)), "b": jnp.ones(8)})
+
+
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_gradient_trees_that_differ_across_ranks_raise_on_every_rank(jit):
     params = {"w": jnp.ones(3 if rank == 0 else 4)}  # rank 0's model is another

@@ -27,6 +27,12 @@ REDUCTIONS = frozenset({
     "cummin", "cumlogsumexp", "sort", "top_k",
 })  # fmt: skip
 
+# JAX's collectives; jaxddp's own are the primitives named `jaxddp_*`.
+_JAX_COLLECTIVES = frozenset({
+    "psum", "pmax", "pmin", "all_to_all", "all_gather", "psum_scatter", "reduce_scatter",
+    "ppermute", "all_gather_invariant",
+})  # fmt: skip
+
 # States whose transform applies per-leaf masks or labels.
 _MASKED = tuple(
     t for t in (getattr(optax, n, None) for n in ("MaskedState", "MultiTransformState")) if t
@@ -68,6 +74,19 @@ def _first_reduction(jaxpr: Any) -> Any:
     return None
 
 
+def _first_collective(jaxpr: Any) -> Any:
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name.startswith("jaxddp_") or name in _JAX_COLLECTIVES:
+            return eqn
+        for value in eqn.params.values():
+            for sub in _sub_jaxprs(value):
+                found = _first_collective(sub)
+                if found is not None:
+                    return found
+    return None
+
+
 def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) -> None:
     """Raises ValueError where ``inner`` is not element-wise over the packed slices."""
     del clip  # clipping by the global norm runs before `inner`, on the whole gradient
@@ -82,6 +101,16 @@ def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) 
         jaxpr = jax.make_jaxpr(inner.update)(probe, state, probe)
     except failures as exc:
         raise _fails_on_slices(exc) from exc
+    eqn = _first_collective(jaxpr.jaxpr)
+    if eqn is not None:
+        msg = (
+            f"`shard_optimizer`'s inner optimizer communicates across the ranks (a "
+            f"`{eqn.primitive.name}`, as `jaxddp.allreduce_gradients()` in it would): it runs "
+            "on this rank's slice of the gradient, which holds other parameters than the "
+            "other ranks' slices. `shard_optimizer` reduces the gradient itself: leave "
+            "`allreduce_gradients()` out of `inner`."
+        )
+        raise ValueError(msg)
     eqn = _first_reduction(jaxpr.jaxpr)
     if eqn is not None:
         where = _jax_compat.equation_frames(eqn)
