@@ -10,6 +10,7 @@ operation and where in the optimizer it was staged.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -60,31 +61,28 @@ def _sub_jaxprs(value: Any) -> list[Any]:
     return []
 
 
-def _first_reduction(jaxpr: Any) -> Any:
+def _first(jaxpr: Any, matches: Callable[[Any], bool]) -> Any:
+    """The first equation ``matches`` accepts, in ``jaxpr`` or the jaxprs its equations hold."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name in REDUCTIONS and any(
-            getattr(v.aval, "size", 1) > 1 for v in eqn.invars if hasattr(v, "aval")
-        ):
+        if matches(eqn):
             return eqn
         for value in eqn.params.values():
             for sub in _sub_jaxprs(value):
-                found = _first_reduction(sub)
+                found = _first(sub, matches)
                 if found is not None:
                     return found
     return None
 
 
-def _first_collective(jaxpr: Any) -> Any:
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name.startswith("jaxddp_") or name in _JAX_COLLECTIVES:
-            return eqn
-        for value in eqn.params.values():
-            for sub in _sub_jaxprs(value):
-                found = _first_collective(sub)
-                if found is not None:
-                    return found
-    return None
+def _is_reduction(eqn: Any) -> bool:
+    return eqn.primitive.name in REDUCTIONS and any(
+        getattr(v.aval, "size", 1) > 1 for v in eqn.invars if hasattr(v, "aval")
+    )
+
+
+def _is_collective(eqn: Any) -> bool:
+    name = eqn.primitive.name
+    return name.startswith("jaxddp_") or name in _JAX_COLLECTIVES
 
 
 def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) -> None:
@@ -101,7 +99,7 @@ def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) 
         jaxpr = jax.make_jaxpr(inner.update)(probe, state, probe)
     except failures as exc:
         raise _fails_on_slices(exc) from exc
-    eqn = _first_collective(jaxpr.jaxpr)
+    eqn = _first(jaxpr.jaxpr, _is_collective)
     if eqn is not None:
         msg = (
             f"`shard_optimizer`'s inner optimizer communicates across the ranks (a "
@@ -111,7 +109,7 @@ def check_elementwise(inner: Any, mine: tuple[Any, ...], *, clip: float | None) 
             "`allreduce_gradients()` out of `inner`."
         )
         raise ValueError(msg)
-    eqn = _first_reduction(jaxpr.jaxpr)
+    eqn = _first(jaxpr.jaxpr, _is_reduction)
     if eqn is not None:
         where = _jax_compat.equation_frames(eqn)
         staged = f", staged at {' <- '.join(where)}" if where else ""
