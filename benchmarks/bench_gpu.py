@@ -38,6 +38,7 @@ import optax
 
 import jaxddp
 from benchmarks.bench_allreduce import interleaved
+from benchmarks.steps import optax_step
 from jaxddp import _native
 
 
@@ -62,12 +63,7 @@ def loss_fn(params, batch):
 
 
 def make_run(tx, params, batch):
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = jax.jit(optax_step(tx, loss_fn))
     state = [params, tx.init(params)]
 
     def run():

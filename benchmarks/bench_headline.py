@@ -57,6 +57,7 @@ import jaxddp
 from benchmarks.bench_allreduce import interleaved, start_torch_gloo
 from benchmarks.bench_xla import _stacked, own_program, residual_loss, residual_params
 from benchmarks.headline_table import table
+from benchmarks.steps import optax_step
 from jaxddp._collectives import api as _comm
 
 MODELS = ((4, 256), (24, 64), (100, 32))  # (blocks, width): 20, 100, 404 leaves
@@ -68,13 +69,7 @@ Steps = Callable[[int], None]  # runs n train steps back to back, then waits for
 
 def jax_steps(params: Any, batch: Any, tx: Any) -> Steps:
     """Jitted steps of ``tx`` back to back, the state fed back."""
-
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(residual_loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = jax.jit(optax_step(tx, residual_loss))
     state = [params, tx.init(params)]
 
     def run(n: int) -> None:
@@ -87,12 +82,7 @@ def jax_steps(params: Any, batch: Any, tx: Any) -> Steps:
 
 def own_steps(params: Any, batch: Any) -> Steps:
     adam = optax.adam(1e-3)
-
-    def step(params, opt_state, batch):  # the loss: the global batch's mean
-        loss, grads = jax.value_and_grad(residual_loss)(params, batch)
-        updates, opt_state = adam.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
+    step = optax_step(adam, residual_loss)  # over the global batch: its mean
     once = own_program(step, params, adam.init(params), _stacked(batch))
 
     def run(n: int) -> None:

@@ -37,6 +37,7 @@ from jax.flatten_util import ravel_pytree
 import jaxddp
 from benchmarks.bench_allreduce import interleaved
 from benchmarks.payloads import PAYLOADS, make_tree
+from benchmarks.steps import optax_step
 
 MLP_SIZES = (64, 128, 10)
 
@@ -69,13 +70,7 @@ def many_leaf_loss(params, batch):
 
 
 def make_step(tx, loss_fn):
-    @jax.jit
-    def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
+    return jax.jit(optax_step(tx, loss_fn))
 
 
 def flat(params: Any, loss_fn: Callable) -> tuple[jax.Array, Callable]:

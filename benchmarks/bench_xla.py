@@ -41,6 +41,7 @@ import jaxddp
 from benchmarks.bench_allreduce import impl_limit, interleaved
 from benchmarks.bench_step import MLP_SIZES, many_leaf_loss, mlp_loss, mlp_params
 from benchmarks.payloads import PAYLOADS, make_tree
+from benchmarks.steps import optax_step
 from jaxddp._base import settings
 
 
@@ -108,12 +109,7 @@ def _stacked(batch: Any) -> Any:
 
 def measure(params: Any, loss_fn: Callable, batch: Any, repeats: int) -> dict[str, float]:
     def make(tx: Any, wrap: Callable) -> Callable[[], None]:
-        def step(params, opt_state, batch):
-            loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        run = wrap(step)
+        run = wrap(optax_step(tx, loss_fn))
         state = [params, tx.init(params)]
 
         def once() -> None:
