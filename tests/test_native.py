@@ -110,11 +110,14 @@ def test_the_staged_handlers_take_the_attributes_of_the_kinds_table():
     from jaxddp._native.kinds import KINDS
 
     library = ctypes.CDLL(str(build()))
-    assert tuple(KINDS) == staged.KINDS
+    # every kind has a staged handler but the CPU's own narrow allreduce
+    assert tuple(k for k in KINDS if k != "narrow_allreduce") == staged.KINDS
     assert staged.disagreement(library) is None
     for kind, row in KINDS.items():
-        assert staged.attributes(library, kind) == list(row.handler_attributes()), kind
         assert library.jaxddp_native_configure(row.mpi_function.encode(), None) == 1, kind
+        if row.staged:
+            assert staged.attributes(library, kind) == list(row.handler_attributes()), kind
+    assert library.jaxddp_narrow_allreduce  # the narrow allreduce's handler is in the build
 
 
 def test_a_kind_whose_handler_disagrees_with_the_table_is_named():

@@ -1,6 +1,6 @@
-"""jaxddp's own XLA FFI handlers: the jitted allreduce on CPU (``allreduce.cc``), and every
-collective in programs compiled for a GPU (``staged.cc``, :mod:`.staged`), built on first use
-(:mod:`.build`).
+"""jaxddp's own XLA FFI handlers: the jitted allreduce on CPU (``allreduce.cc``), gradient
+compression's narrow allreduce on CPU (``narrow.cc``), and every collective in programs
+compiled for a GPU (``staged.cc``, :mod:`.staged`), built on first use (:mod:`.build`).
 
 Why: MPICH's blocking wait, under ``MPI_THREAD_MULTIPLE`` (what jaxddp starts MPI with),
 calls ``sched_yield`` between polls. Inside a jitted step the allreduce runs on XLA's compute
@@ -59,14 +59,17 @@ from .build import build, cache_dir
 from .kinds import KINDS as _TABLE
 
 __all__ = [
+    "NARROW_TARGET",
     "TARGET",
     "agree",
     "allreduce_target",
     "cache_dir",
     "cpu_staged",
+    "cpu_target",
     "gpu_buffers_to_mpi",
     "gpu_status",
     "gpu_target",
+    "narrow_target",
     "reduces_in_shared_memory",
     "share",
     "shared_calls",
@@ -75,11 +78,12 @@ __all__ = [
 ]
 
 TARGET = "jaxddp_allreduce"
+NARROW_TARGET = _TABLE["narrow_allreduce"].target
 _OURS = "jaxddp's own on CPU (MPI_Iallreduce, then MPI_Test: polls, then naps)"
-# The MPI functions the handlers call: the CPU's allreduce's, then the staged handlers' (each
-# kind's of the table, kinds.py).
-_CPU_FUNCTIONS = ("MPI_Iallreduce", "MPI_Test")
-_STAGED_FUNCTIONS = tuple(dict.fromkeys(row.mpi_function for row in _TABLE.values()))
+# The MPI functions the handlers call: the CPU's (the allreduce's, the narrow allreduce's),
+# then the staged handlers' (each kind's of the table, kinds.py).
+_CPU_FUNCTIONS = ("MPI_Iallreduce", "MPI_Test", "MPI_Ialltoall", "MPI_Iallgather")
+_STAGED_FUNCTIONS = tuple(dict.fromkeys(row.mpi_function for row in _TABLE.values() if row.staged))
 
 # What every rank agreed on (agree): the FFI target, or None for mpi4jax's; and why.
 _agreed: tuple[str | None, str] | None = None
@@ -121,6 +125,8 @@ def _load(MPI: Any) -> str | None:
                     _unknown.append(name)
         capsule = jax.ffi.pycapsule(library.jaxddp_allreduce)
         jax.ffi.register_ffi_target(TARGET, capsule, platform="cpu")
+        capsule = jax.ffi.pycapsule(library.jaxddp_narrow_allreduce)
+        jax.ffi.register_ffi_target(NARROW_TARGET, capsule, platform="cpu")
         library.jaxddp_native_share.argtypes = [
             *[ctypes.c_void_p] * 2,
             *[ctypes.c_int64] * 4,
@@ -174,10 +180,24 @@ def allreduce_target() -> str | None:
     return _agreed[0] if _agreed is not None else None
 
 
+def narrow_target() -> str | None:
+    """The FFI target of jaxddp's narrow allreduce on CPU where every rank agreed on
+    jaxddp's handlers, else None (the composition of an alltoall and an allgather)."""
+    return NARROW_TARGET if allreduce_target() is not None else None
+
+
+def cpu_target(kind: str) -> str | None:
+    """The FFI target of jaxddp's own CPU handler of ``kind`` (the table's ``native``)
+    where every rank agreed on jaxddp's handlers, else None."""
+    return {"allreduce": allreduce_target, "narrow_allreduce": narrow_target}[kind]()
+
+
 def gpu_target(kind: str) -> str | None:
     """The FFI target of a collective ``kind`` in a program for a GPU where every rank
-    agreed on jaxddp's staged handlers, else None (mpi4jax's)."""
-    return _staged.target(kind) if _gpu is not None and _gpu[0] else None
+    agreed on jaxddp's staged handlers, else None (mpi4jax's; and for a kind that has no
+    staged handler)."""
+    on = _gpu is not None and _gpu[0] and kind in _staged.KINDS
+    return _staged.target(kind) if on else None
 
 
 def cpu_staged() -> bool:

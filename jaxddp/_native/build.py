@@ -24,7 +24,7 @@ import jax
 __all__ = ["build", "cache_dir"]
 
 _FOLDER = Path(__file__).parent
-SOURCES = (_FOLDER / "allreduce.cc", _FOLDER / "staged.cc")
+SOURCES = (_FOLDER / "allreduce.cc", _FOLDER / "staged.cc", _FOLDER / "narrow.cc")
 HEADERS = (_FOLDER / "native.h",)
 
 

@@ -30,7 +30,7 @@ class Kind:
     name: str  # as its errors call it
     target: str  # the FFI target mpi4jax registers for it
     attributes: tuple[str, ...]  # its custom call's attributes (mpi4jax's and the staged handler's)
-    mpi_function: str  # the nonblocking MPI function its staged handler calls
+    mpi_function: str  # the nonblocking MPI function its staged (else its CPU) handler calls
     xla: str  # what it is inside jaxddp.spmd with JAXDDP_COLLECTIVES=xla: JAX's own collective
     returns: str = "same"  # its output per buffer: see records.py's OUTPUTS
     described: bool = False  # jaxddp's own handlers also take `call`: the call as made
@@ -38,6 +38,8 @@ class Kind:
     differentiable: bool = False  # jvp and transpose as `jax.lax.psum`'s (else: refused)
     batchable: bool = False  # elementwise: vmap passes through it
     rows: bool = False  # its buffer holds one row per rank: MPI's counts are a row's
+    staged: bool = True  # it has a staged handler (staged.cc) for programs for a GPU
+    one_call: bool = False  # all its buffers go in one custom call (else one call each)
 
     def handler_attributes(self) -> tuple[str, ...]:
         """The attributes jaxddp's own handler of this kind takes (``staged.cc`` binds them)."""
@@ -100,6 +102,22 @@ KINDS: dict[str, Kind] = {
             "MPI_Ialltoall",
             "all_to_all",
             rows=True,
+        ),
+        # Gradient compression's narrow allreduce (bfloat16 or float16 on the wire), on CPU
+        # only, jaxddp's own handler (narrow.cc): float32 leaves (then, with feedback, this
+        # rank's residual) in one call; their mean or sum (then this rank's error) back.
+        # Elsewhere (a GPU, the xla path, no handler) it is the composition of an alltoall
+        # and an allgather of the narrow bits (_collectives/_jax/narrow.py).
+        Kind(
+            "narrow_allreduce",
+            "narrow allreduce",
+            "jaxddp_narrow_allreduce",
+            ("comm", "wire", "narrow", "mean", "rank", "size", "feedback"),
+            "MPI_Ialltoall",
+            "all_to_all and all_gather of the narrow bits, a float32 sum between",
+            native=True,
+            staged=False,
+            one_call=True,
         ),
     )
 }

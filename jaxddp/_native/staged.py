@@ -36,7 +36,9 @@ __all__ = [
     "target",
 ]
 
-KINDS = tuple(_TABLE)  # one staged handler per kind of the table (kinds.py)
+# one staged handler per kind of the table (kinds.py) but the CPU's own (``staged=False``)
+KINDS = tuple(kind for kind, row in _TABLE.items() if row.staged)
+_STAGED = {kind: _TABLE[kind] for kind in KINDS}
 DRIVER_FUNCTIONS = (
     "cuStreamGetCtx", "cuCtxPushCurrent_v2", "cuCtxPopCurrent_v2", "cuMemcpyAsync",
     "cuStreamSynchronize", "cuMemHostAlloc", "cuMemFreeHost", "cuGetErrorName",
@@ -66,7 +68,7 @@ def attributes(library: ctypes.CDLL, kind: str) -> list[str]:
 
 
 def disagreement(
-    library: ctypes.CDLL, rows: dict[str, Kind] = _TABLE, unknown: Sequence[str] = ()
+    library: ctypes.CDLL, rows: dict[str, Kind] = _STAGED, unknown: Sequence[str] = ()
 ) -> str | None:
     """Where the handlers of ``library`` (``staged.cc``) and the table's ``rows`` disagree
     on a kind's attributes, or a kind's MPI function is among those the build did not take
@@ -115,7 +117,7 @@ def load(library: ctypes.CDLL, MPI: Any, unknown: Sequence[str] = ()) -> tuple[s
     functions the library's build did not take (``native.h``'s list lacks them)."""
     if _cuda.jax_may_use_cuda() is None and not forced_on_cpu():
         return "JAX has no CUDA plugin here (or JAX_PLATFORMS leaves CUDA out)", False
-    problem = _driver(library) or disagreement(library, _TABLE, unknown)
+    problem = _driver(library) or disagreement(library, _STAGED, unknown)
     if problem is not None:
         return problem, False
     aware = _settings.cuda_aware_mpi() and _cuda_aware(MPI)

@@ -6,16 +6,19 @@ to factor) are packed into one float32 vector and ``residual`` (this rank's erro
 previous steps) is added to it. The other leaves (integers, float64, complex, PowerSGD's
 vectors and small matrices) are reduced exactly, as without compression.
 
-A cast (``"bf16"``, ``"fp16"``) is a reduce-scatter and an allgather of jaxddp's own, both in
-the narrow dtype (MPI's own float16 sum is software, slower than float32): each rank casts
-its vector, cuts it into ``W`` blocks and sends block ``r`` to rank ``r`` (an alltoall of the
-narrow bits); rank ``r`` adds the ``W`` blocks it got in float32, in rank order, divides by
-``W`` for a mean, rounds the result once to the narrow dtype and sends it to everyone (an
-allgather of the narrow bits). Twice the narrow bytes of the vector cross the wire per rank
-(``2 (W - 1) / W`` of it), half of a float32 allreduce's. Two roundings happen: each rank's
-cast of its own vector, and rank ``r``'s rounding of block ``r``'s sum; both go into the
-residual (the first into every rank's, the second into the owner's, times ``W`` for a mean),
-so nothing is lost for good: what one step rounds away the next one sends.
+A cast (``"bf16"``, ``"fp16"``) is jaxddp's narrow allreduce (``_collectives/_jax/narrow.py``:
+a reduce-scatter and an allgather of its own, both in the narrow dtype, since MPI's own
+float16 sum is software, slower than float32): each rank casts its vector, cuts it into ``W``
+blocks and sends block ``r`` to rank ``r`` (an alltoall of the narrow bits); rank ``r`` adds
+the ``W`` blocks it got in float32, in rank order, divides by ``W`` for a mean, rounds the
+result once to the narrow dtype and sends it to everyone (an allgather of the narrow bits).
+Twice the narrow bytes of the vector cross the wire per rank (``2 (W - 1) / W`` of it), half
+of a float32 allreduce's. Two roundings happen: each rank's cast of its own vector, and rank
+``r``'s rounding of block ``r``'s sum; both go into the residual (the first into every
+rank's, the second into the owner's, times ``W`` for a mean), so nothing is lost for good:
+what one step rounds away the next one sends. On CPU, jaxddp's own handler
+(``_native/narrow.cc``) does the same arithmetic in chunks, rounding the next chunk while the
+last ones travel.
 
 PowerSGD (Vogels et al., 2019) approximates each such matrix ``M`` (a leaf of shape
 ``(n, *rest)`` as ``(n, prod(rest))``, plus its residual) as ``P Q^T`` of rank ``r``:
@@ -40,9 +43,8 @@ from jax.core import Tracer
 
 from .._collectives import api as _comm
 from .._collectives import signature as _signature
-from .._collectives._jax import xla as _xla
+from .._collectives._jax import ops
 from .._types import Communicator, ReduceOp
-from .zero.slices import allgather, alltoall
 from .zero.state import ShardedState, Slicing
 
 __all__ = [
@@ -209,43 +211,6 @@ def _describe(compression: Compression, error_feedback: bool) -> str:
     return f"compression={name}, error_feedback={error_feedback}"
 
 
-def _my_rank(jax_comm: Any, rank: int) -> Any:
-    """This rank's index: a traced ``axis_index`` inside ``jaxddp.spmd`` with ``xla`` (every
-    rank's program must be the same there), the Python number elsewhere."""
-    active = _xla.active(jax_comm)
-    return rank if active is None else jax.lax.axis_index(active.axis)
-
-
-def _to_narrow(x: Any, dtype: Any) -> Any:
-    """``x`` rounded to ``dtype``; a finite value beyond its range saturates to its largest
-    (the excess stays in the residual), an infinity or a NaN stays what it is."""
-    big = float(jnp.finfo(dtype).max)
-    return jnp.where(jnp.isfinite(x), jnp.clip(x, -big, big), x).astype(dtype)
-
-
-def _cast_reduce(
-    v: Any, dtype: Any, op: ReduceOp, *, comms: tuple[Any, Any], size: int, me: Any
-) -> tuple[Any, Any]:
-    """The reduced float32 vector and this rank's error (both roundings) of the narrow
-    reduce-scatter and allgather of ``v``."""
-    length = v.shape[0]
-    k = -(-length // size)
-    narrow = _to_narrow(v, dtype)
-    error = v - narrow.astype(jnp.float32)
-    rows = jnp.concatenate([narrow, jnp.zeros((k * size - length,), dtype)]).reshape(size, k)
-    got = alltoall([rows], comms)[0]
-    total = got[0].astype(jnp.float32)
-    for j in range(1, size):  # in rank order, in float32
-        total = total + got[j].astype(jnp.float32)
-    if op == "mean":
-        total = total / size
-    block = _to_narrow(total, dtype)
-    missed = (total - block.astype(jnp.float32)) * (size if op == "mean" else 1)
-    everyone = allgather([block], comms, size)[0]
-    mine = jax.lax.dynamic_update_slice(jnp.zeros((k * size,), jnp.float32), missed, (me * k,))
-    return everyone[:length].astype(jnp.float32), error + mine[:length]
-
-
 def _orthonormal(p: Any) -> Any:
     return jnp.linalg.qr(p, mode="reduced")[0]
 
@@ -263,7 +228,7 @@ def compressed_allreduce(
     treedef: Any,
 ) -> tuple[list[Any], CompressionState]:
     """The reduced leaves (``updates``, filled, flattened) and the next state."""
-    rank, size, jax_comm, host_comm = _comm.channels(comm)
+    _, size, jax_comm, host_comm = _comm.channels(comm)
     concrete = not any(isinstance(x, Tracer) for x in updates)
     if size > 1:
         _signature.check_call(
@@ -283,57 +248,79 @@ def compressed_allreduce(
     if size == 1:  # nothing travels: exact
         return leaves, state._replace(count=count)
     exact = [i for i in range(len(leaves)) if i not in set(plan.compressed)]
-    vector = jnp.concatenate(
-        [jnp.ravel(leaves[i]).astype(jnp.float32) for i in plan.compressed] or [jnp.zeros((0,))]
-    )
+    wide = [leaves[i].astype(jnp.float32) for i in plan.compressed]
     residual = state.residual.inner[0] if error_feedback and plan.length else None
-    if residual is not None:
-        vector = vector + residual
-    comms = (jax_comm, host_comm)
-
-    def full_width(vector: Any, q: Any) -> tuple[Any, Any, Any, Any]:
-        out = _comm.reduce_all(
-            [vector, *[leaves[i] for i in exact]], op, comm=comm, check=False, what="gradient tree"
-        )
-        return out[0], jnp.zeros_like(vector), list(out[1:]), q
-
     if isinstance(compression, str):
         out = _comm.reduce_all([leaves[i] for i in exact], op, comm=comm, check=False)
-        reduced, error = _cast_reduce(
-            vector, CASTS[compression], op, comms=comms, size=size, me=_my_rank(jax_comm, rank)
+        # the leaves and the residual go as they are (on CPU, jaxddp's handler reads them
+        # where they lie); its error is finite already (an infinity or a NaN is the step's
+        # result, as without compression, not a debt to carry)
+        reduced, error = ops.narrow_allreduce(
+            wide, residual, CASTS[compression], op == "mean", jax_comm
         )
         q = state.q
     else:
-        psgd = compression
-
-        def power(vector: Any, q: Any) -> tuple[Any, Any, Any, Any]:
-            return _power(vector, q, plan=plan, others=[leaves[i] for i in exact], op=op,
-                          comm=comm, size=size)  # fmt: skip
-
-        if psgd.start_step == 0:
-            reduced, error, out, q = power(vector, state.q)
-        else:
-            reduced, error, out, q = jax.lax.cond(
-                state.count >= psgd.start_step, power, full_width, vector, state.q
-            )
-    results, back = list(leaves), []
-    start = 0
-    for i in plan.compressed:
-        n = leaves[i].size
-        results[i] = reduced[start : start + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
-        back.append(jnp.ravel(results[i]).astype(jnp.float32))
-        start += n
-    if residual is not None and any(leaves[i].dtype != jnp.float32 for i in plan.compressed):
+        reduced, error, out, q = _powersgd(
+            wide, residual, state, compression, plan=plan, others=[leaves[i] for i in exact],
+            op=op, comm=comm, size=size,
+        )  # fmt: skip
+    results = list(leaves)
+    for i, x in zip(plan.compressed, reduced, strict=True):
+        results[i] = x.astype(leaves[i].dtype)
+    narrow = [j for j, i in enumerate(plan.compressed) if leaves[i].dtype != jnp.float32]
+    if residual is not None and narrow:
         # a bfloat16 or float16 leaf's own rounding of the result, the same on every rank (a
-        # float32 leaf has none: where all are float32 the vector is not passed over again)
-        error = error + (reduced - jnp.concatenate(back)) / (size if op == "sum" else 1)
+        # float32 leaf has none: where all are float32 the error is not passed over again)
+        lost = [
+            jnp.ravel(x - results[i].astype(jnp.float32)) if j in narrow else jnp.zeros(x.size)
+            for j, (i, x) in enumerate(zip(plan.compressed, reduced, strict=True))
+        ]
+        error = error + jnp.concatenate(lost) / (size if op == "sum" else 1)
     for i, x in zip(exact, out, strict=True):
         results[i] = x
     if residual is None:
         return results, state._replace(count=count, q=q)
-    # an infinity or a NaN is the step's result, as without compression, not a debt to carry
-    error = jnp.where(jnp.isfinite(error), error, 0.0)
+    if narrow or not isinstance(compression, str):
+        error = jnp.where(jnp.isfinite(error), error, 0.0)  # (as above)
     return results, CompressionState(count, _residual(error, size), q)
+
+
+def _powersgd(
+    wide: list[Any],
+    residual: Any,
+    state: CompressionState,
+    psgd: PowerSGD,
+    *,
+    plan: _Plan,
+    others: list[Any],
+    op: ReduceOp,
+    comm: Any,
+    size: int,
+) -> tuple[list[Any], Any, list[Any], Any]:
+    """PowerSGD's step from ``start_step`` on, full width before: the reduced compressed
+    leaves, this rank's error, the exact leaves (``others``) reduced, and the next ``Q``."""
+    vector = jnp.concatenate([jnp.ravel(x) for x in wide] or [jnp.zeros((0,))])
+    if residual is not None:
+        vector = vector + residual
+
+    def full_width(vector: Any, q: Any) -> tuple[Any, Any, Any, Any]:
+        out = _comm.reduce_all([vector, *others], op, comm=comm, check=False, what="gradient tree")
+        return out[0], jnp.zeros_like(vector), list(out[1:]), q
+
+    def power(vector: Any, q: Any) -> tuple[Any, Any, Any, Any]:
+        return _power(vector, q, plan=plan, others=others, op=op, comm=comm, size=size)
+
+    if psgd.start_step == 0:
+        reduced, error, out, q = power(vector, state.q)
+    else:
+        reduced, error, out, q = jax.lax.cond(
+            state.count >= psgd.start_step, power, full_width, vector, state.q
+        )
+    leaves, start = [], 0
+    for x in wide:
+        leaves.append(reduced[start : start + x.size].reshape(x.shape))
+        start += x.size
+    return leaves, error, out, q
 
 
 def _power(

@@ -45,13 +45,19 @@ def _target(kind: str, platforms: tuple[str, ...]) -> str:
     GPU, jaxddp's staged handlers where every rank agreed on them, else mpi4jax's (told to
     stage through host memory unless MPI takes GPU buffers); on CPU, jaxddp's allreduce
     where every rank agreed on it (the staged handlers where the test suite forces them),
-    mpi4jax's for the other kinds."""
+    mpi4jax's for the other kinds (the narrow allreduce, jaxddp's alone, only on CPU)."""
     record = RECORDS[kind]
+    if not record.staged and platforms != ("cpu",):  # bound only for a program for CPU
+        msg = (
+            f"jaxddp's {record.name} runs on CPU only, but a program for {platforms} holds it: "
+            "compile the step for one platform (the one `jax.default_backend()` names)."
+        )
+        raise RuntimeError(msg)
     if platforms == ("cpu",):
         if _native.cpu_staged():
             return _native.gpu_target(kind) or record.target
         if record.native:
-            return _native.allreduce_target() or record.target
+            return _native.cpu_target(kind) or record.target
         return record.target
     if platforms == ("cuda",) and (staged := _native.gpu_target(kind)) is not None:
         return staged
@@ -78,7 +84,8 @@ def _convert(ctx: Any, fn: Any, x: Any, aval_in: Any, aval_out: Any) -> Any:
 def emit(
     ctx: Any, token: Any, xs: Sequence[Any], avals: tuple[Any, Any], *, kind: str, params: Any
 ) -> tuple[Any, list[Any]]:
-    """One side-effecting custom call per buffer, each taking the previous call's token.
+    """One side-effecting custom call per buffer, each taking the previous call's token (for
+    a kind of ``one_call``, one call of every buffer).
 
     jaxddp's own handler also gets each call's description (``params["calls"]``, where the
     caller gave them), which it compares across the ranks in shared memory."""
@@ -86,6 +93,11 @@ def emit(
     record = RECORDS[kind]
     target = _target(kind, tuple(ctx.module_context.platforms))
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    if record.one_call:  # every buffer in one call, the token last
+        token_aval = compat.abstract_token()
+        sub = ctx.replace(avals_in=(*avals[0], token_aval), avals_out=(*avals[1], token_aval))
+        *outs, token = rule(sub, *xs, token, **record.call_attrs(params, avals[0][0]))
+        return token, list(outs)
     calls = params.get("calls") or ("",) * len(xs)
     outs = []
     for x, aval_in, aval_out, call in zip(xs, *avals, calls, strict=True):

@@ -11,11 +11,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
+from ... import _native
 from ..._native.kinds import KINDS
 from ..._types import Communicator
-from . import xla
-from .primitives import allgather_p, allreduce_p, alltoall_p, bcast_p, reduce_p
+from . import narrow, xla
+from .primitives import COLLECTIVES, allgather_p, allreduce_p, alltoall_p, bcast_p, reduce_p
 from .records import Handle
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "alltoall_many",
     "bcast_many",
     "implementation",
+    "narrow_allreduce",
     "reduce_many",
     "reduce_scatter_many",
     "sum_rows",
@@ -86,6 +89,38 @@ class Mpi:
             msg = f"jaxddp's reduce-scatter sums only; it got the MPI op {op!r}."
             raise NotImplementedError(msg)
         return [sum_rows(rows) for rows in self.alltoall(xs, comm)]
+
+    def narrow_allreduce(
+        self, xs: Sequence[Any], residual: Any, dtype: Any, mean: bool, comm: Communicator
+    ) -> tuple[list[Any], Any]:
+        """jaxddp's own CPU handler where every rank agreed on jaxddp's handlers (and the
+        step is for CPU), else :func:`.narrow.composed` of this path's alltoall and
+        allgather (a GPU's staged handlers, or mpi4jax's)."""
+        size, rank = comm.Get_size(), comm.Get_rank()
+        native = _native.narrow_target() is not None and not _native.cpu_staged()
+        if native and jax.default_backend() == "cpu":
+            feedback = residual is not None
+            out = COLLECTIVES["narrow_allreduce"].bind(
+                *xs,
+                *([residual] if feedback else []),
+                comm=Handle(comm),
+                narrow=narrow.CODES[np.dtype(dtype)],
+                mean=bool(mean),
+                rank=rank,
+                size=size,
+                feedback=feedback,
+            )
+            return list(out[: len(xs)]), out[-1] if feedback else None
+        return narrow.composed(
+            xs,
+            residual,
+            dtype,
+            mean,
+            alltoall=lambda x: self.alltoall([x], comm)[0],
+            allgather=lambda x: self.allgather([x], comm)[0],
+            size=size,
+            me=rank,
+        )
 
 
 MPI_PATH = Mpi()
@@ -155,6 +190,19 @@ def sum_rows(rows: Any) -> Any:
     for j in range(1, rows.shape[0]):
         total = total + rows[j]
     return total
+
+
+def narrow_allreduce(
+    xs: Sequence[Any], residual: Any, dtype: Any, mean: bool, comm: Communicator
+) -> tuple[list[Any], Any]:
+    """The float32 arrays ``xs`` summed (or averaged: ``mean``) over the ranks while they
+    travel as ``dtype`` (bfloat16 or float16), after this rank's ``residual`` (one float32
+    vector of their total length, or None) is added to them; and with a residual, this
+    rank's error of the two roundings (:mod:`.narrow`), what error feedback carries to the
+    next step (else None)."""
+    if not xs:
+        return [], residual
+    return implementation(comm).narrow_allreduce(xs, residual, dtype, mean, comm)
 
 
 def reduce_scatter_many(xs: Sequence[Any], op: Any, comm: Communicator) -> list[Any]:

@@ -67,6 +67,14 @@ _ATTRIBUTES: dict[str, Callable[[Kind, dict[str, Any], np.int64, np.int64], np.i
     "recvcount": lambda k, p, n, d: np.int64(n // p["size"]) if k.rows else n,
     "sendtype": lambda k, p, n, d: d,
     "recvtype": lambda k, p, n, d: d,
+    # the narrow allreduce's: the narrow bits' MPI datatype, which narrow dtype (0: bfloat16,
+    # 1: float16), a mean or a sum, this rank's place, and whether a residual comes last
+    "wire": lambda k, p, n, d: _dtype_handle(np.uint16),
+    "narrow": lambda k, p, n, d: np.int64(p["narrow"]),
+    "mean": lambda k, p, n, d: np.int64(p["mean"]),
+    "rank": lambda k, p, n, d: np.int64(p["rank"]),
+    "size": lambda k, p, n, d: np.int64(p["size"]),
+    "feedback": lambda k, p, n, d: np.int64(p["feedback"]),
 }
 
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._native.kinds import KINDS
-from . import order
+from . import narrow, order
 
 __all__ = ["AXIS", "Xla", "active", "axis", "bound", "describe", "transport"]
 
@@ -91,6 +91,22 @@ class Xla:
             msg = f"jaxddp.spmd has no XLA reduce-scatter for the MPI op {op!r}; only a sum."
             raise NotImplementedError(msg)
         return [jax.lax.psum_scatter(x, self.axis, scatter_dimension=0, tiled=False) for x in xs]
+
+    def narrow_allreduce(
+        self, xs: Sequence[Any], residual: Any, dtype: Any, mean: bool, comm: Any
+    ) -> tuple[list[Any], Any]:
+        """The narrow allreduce of gradient compression as :func:`.narrow.composed` of
+        ``all_to_all`` and ``all_gather`` of the narrow bits."""
+        return narrow.composed(
+            xs,
+            residual,
+            dtype,
+            mean,
+            alltoall=lambda x: jax.lax.all_to_all(x, self.axis, 0, 0),
+            allgather=lambda x: jax.lax.all_gather(x, self.axis),
+            size=comm.Get_size(),
+            me=jax.lax.axis_index(self.axis),
+        )
 
 
 _active: contextvars.ContextVar[Xla | None] = contextvars.ContextVar(
