@@ -77,7 +77,49 @@ def _fit(t1: float, t10: float) -> tuple[float, float]:
     return t1 - b, b
 
 
+def _ordered(row: dict[str, Any]) -> list[str]:
+    """The choices of a row in :data:`CHOICES`' order (the ranks' reduction sorts them)."""
+    return [c for c in CHOICES if c in row]
+
+
+def table(results: dict[str, Any], np_: int, repeats: int) -> str:
+    """The table of a run (``results``: per link speed, per model, sync and compute times),
+    as the compression page shows it."""
+    lines = [
+        f"# {np_} ranks, UCX over TCP on loopback, medians of {repeats} rounds",
+        f"{'model':>6} {'link':>7} {'choice':>7} {'sync ms':>9} {'x full':>7} {'compute ms':>11}",
+    ]
+    for rate, models in results.items():
+        for model, row in models.items():
+            for choice in _ordered(row["sync"]):
+                sync, compute = row["sync"][choice], row["compute"][choice]
+                ratio = sync / row["sync"]["full"]
+                lines.append(f"{model:>6} {rate:>7} {choice:>7} {sync * 1e3:9.2f} {ratio:7.3f} "
+                             f"{compute * 1e3:11.2f}")  # fmt: skip
+    if "1gbit" in results and "10gbit" in results:
+        lines.append(
+            "# link speed below which each choice's sync beats full width (t = a + b/rate)"
+        )
+        for model in results["1gbit"]:
+            t1, t10 = results["1gbit"][model]["sync"], results["10gbit"][model]["sync"]
+            a_f, b_f = _fit(t1["full"], t10["full"])
+            for choice in _ordered(t1)[1:]:
+                a_c, b_c = _fit(t1[choice], t10[choice])
+                if a_c <= a_f:
+                    verdict = "pays at every speed measured"
+                elif b_f <= b_c:
+                    verdict = "never pays"
+                else:
+                    verdict = f"pays below {(b_f - b_c) / (a_c - a_f):.1f} Gbit/s (fitted)"
+                lines.append(f"{model:>6} {choice:>7}: {verdict}")
+    return "\n".join(lines)
+
+
 def driver(args: argparse.Namespace) -> None:
+    if args.table:  # reprint a saved run
+        saved = json.loads(Path(args.table).read_text())
+        print(table(saved["results"], saved["np"], saved["repeats"]))
+        return
     signal.signal(signal.SIGTERM, lambda *_: (_unthrottle(), sys.exit(143)))
     signal.signal(signal.SIGINT, lambda *_: (_unthrottle(), sys.exit(130)))
     results = {}
@@ -86,31 +128,19 @@ def driver(args: argparse.Namespace) -> None:
             results[rate] = _launch(rate, args)
     finally:
         _unthrottle()
-    print(f"# {args.np} ranks, UCX over TCP on loopback, medians of {args.repeats} rounds")
-    print(f"{'model':>6} {'link':>7} {'choice':>7} {'sync ms':>9} {'x full':>7} {'compute ms':>11}")
-    for rate, models in results.items():
-        for model, row in models.items():
-            for choice in row["sync"]:
-                sync, compute = row["sync"][choice], row["compute"][choice]
-                ratio = sync / row["sync"]["full"]
-                print(f"{model:>6} {rate:>7} {choice:>7} {sync * 1e3:9.2f} {ratio:7.3f} "
-                      f"{compute * 1e3:11.2f}")  # fmt: skip
-    if "1gbit" in results and "10gbit" in results:
-        print("# link speed below which each choice's sync beats full width (t = a + b/rate)")
-        for model in results["1gbit"]:
-            t1, t10 = results["1gbit"][model]["sync"], results["10gbit"][model]["sync"]
-            a_f, b_f = _fit(t1["full"], t10["full"])
-            for choice in [c for c in t1 if c != "full"]:
-                a_c, b_c = _fit(t1[choice], t10[choice])
-                if a_c <= a_f:
-                    verdict = "pays at every speed measured"
-                elif b_f <= b_c:
-                    verdict = "never pays"
-                else:
-                    verdict = f"pays below {(b_f - b_c) / (a_c - a_f):.1f} Gbit/s"
-                print(f"{model:>6} {choice:>7}: {verdict}")
+    print(table(results, args.np, args.repeats))
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        import datetime
+        from importlib import metadata
+
+        saved = {
+            "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"),
+            "jax": metadata.version("jax"),
+            "np": args.np,
+            "repeats": args.repeats,
+            "results": results,
+        }
+        Path(args.out).write_text(json.dumps(saved, indent=1))
 
 
 # -- the worker: every rank times the updates -----------------------------------------------
@@ -226,7 +256,8 @@ def main() -> None:
     parser.add_argument("--models", default="25M,mlp")
     parser.add_argument("--choices", default=",".join(CHOICES), help="full always runs")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per launch")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="save the run (JSON) here")
+    parser.add_argument("--table", default=None, help="reprint a run saved with --out")
     args = parser.parse_args()
     (worker if args.worker else driver)(args)
 

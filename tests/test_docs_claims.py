@@ -87,6 +87,22 @@ def test_the_headline_table_is_the_saved_runs(page):
     assert f"added {(step['torch_ddp'] - step['torch_alone']) * 1e3:.2f} ms" in readme
 
 
+def test_the_compression_pages_costs_are_the_saved_run():
+    """docs/compression.md shows what benchmarks/bench_compression.py printed for the run it
+    saved, and its prose quotes that run's 1 Gbit/s ratios against the issue's targets."""
+    from benchmarks.bench_compression import table
+
+    run = json.loads((ROOT / "benchmarks" / "results" / "compression-np2.json").read_text())
+    page = _read(DOCS / "compression.md")
+    assert table(run["results"], run["np"], run["repeats"]) in page
+    assert f"jax {run['jax']}" in page
+    assert f"({run['date']};" in page
+    sync = run["results"]["1gbit"]["25M"]["sync"]
+    prose = " ".join(page.split())
+    assert f"bf16 takes **{sync['bf16'] / sync['full']:.2f}x**" in prose
+    assert f"PowerSGD rank 4 **{sync['psgd4'] / sync['full']:.2f}x**" in prose
+
+
 def test_the_xla_pages_costs_are_the_all_results_pages():
     """docs/xla.md's tables repeat the run that benchmarks/run.py wrote on the All results
     page: the same milliseconds and ratios, row by row (the page orders its columns for

@@ -104,8 +104,7 @@ def test_cast_sums_the_narrow_values_in_float32_and_feeds_back_both_roundings(na
     np.testing.assert_allclose(flat + res.sum(0) / scale, exact.sum(0) / scale, atol=1e-5)
 
 
-@pytest.mark.parametrize("narrow", ["bf16", "fp16"])
-@pytest.mark.parametrize("mean", [True, False])
+@pytest.mark.parametrize(("narrow", "mean"), [("bf16", True), ("fp16", False)])
 def test_the_pipelined_handler_equals_the_composition(narrow, mean):
     """jaxddp's CPU handler (narrow.cc: the leaves read where they lie, in chunks rounded
     while earlier ones travel) gives the bits of the alltoall-and-allgather composition that
