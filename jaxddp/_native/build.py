@@ -45,7 +45,10 @@ def _compiler() -> list[str]:
 def build() -> Path:
     """The library for this jaxlib and compiler: from the cache, or built."""
     include = jax.ffi.include_dir()
-    flags = [*_compiler(), "-std=c++17", "-O3", "-shared", "-fPIC", "-isystem", include]
+    # -ffp-contract=off: each product rounded before a sum, as XLA's compositions of the same
+    # arithmetic compute it (narrow.cc gives their bits; a fused multiply-add would not)
+    flags = [*_compiler(), "-std=c++17", "-O3", "-ffp-contract=off", "-shared", "-fPIC"]
+    flags += ["-isystem", include]
     texts = [p.read_text() for p in (*SOURCES, *HEADERS)]
     identity = [*texts, metadata.version("jaxlib"), *flags]
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:16]

@@ -7,8 +7,8 @@
 // concatenation, plus this rank's residual with error feedback): the vector, cut into `size`
 // blocks, block r owned by rank r; every rank rounds its vector to the narrow dtype (a finite
 // value beyond its range saturates) and sends block r to rank r (an alltoall of the narrow
-// bits); rank r adds the blocks it got in float32, in rank order, divides by `size` for a
-// mean, rounds the result once and sends it to every rank (an allgather of the narrow bits).
+// bits); rank r adds the blocks it got in float32, in rank order, multiplies by 1/size for
+// a mean, rounds the result once and sends it to every rank (an allgather of the narrow bits).
 // The error: the vector minus its rounding, plus on the owner's block what the second
 // rounding lost (times `size` for a mean); an error that is not finite is 0 (an infinity or a
 // NaN is the step's result, not a debt to carry).
@@ -180,9 +180,10 @@ struct Call {
 
   ffi::Error finish(int slot) {  // waits for request `slot` (an earlier poke may have)
     if (!pending[slot]) return ffi::Error::Success();
-    pending[slot] = false;
     // short naps whatever the chunk's size: over TCP the pipeline moves only while it polls
-    return jaxddp::wait(&requests[slot], std::numeric_limits<int64_t>::max());
+    ffi::Error waited = jaxddp::wait(&requests[slot], std::numeric_limits<int64_t>::max());
+    if (waited.success()) pending[slot] = false;  // else it may still be in flight
+    return waited;
   }
 
   // Rounds chunk j of every block into its send slot (row d for rank d) and writes the
@@ -194,12 +195,12 @@ struct Call {
     for (int64_t d = 0; d < size; ++d) {
       const int64_t first = d * block + j * chunk;
       const int64_t valid = real(first, n);
-      uint16_t* row = rows + d * n - first;  // indexed by the place in the vector
+      uint16_t* row = rows + d * n;
       const bool own = d == rank;
       for (int64_t p0 = first; p0 < first + valid; p0 += kPokeElements) {
         const int64_t p1 = p0 + kPokeElements < first + valid ? p0 + kPokeElements : first + valid;
         leaves.each(p0, p1 - p0, [&](const float* x, float*, int64_t v, int64_t k) {
-          uint16_t* h = row + v;
+          uint16_t* h = row + (v - first);
           if (residual == nullptr) {
             for (int64_t i = 0; i < k; ++i) h[i] = round_to<N>(x[i]);
             return;
@@ -215,7 +216,7 @@ struct Call {
         });
         if (ffi::Error failed = poke(); failed.failure()) return failed;
       }
-      for (int64_t p = first + valid; p < first + n; ++p) row[p] = 0;  // past the vector's end
+      for (int64_t i = valid; i < n; ++i) row[i] = 0;  // past the vector's end
     }
     uint16_t* got = recv.data() + (j % 2) * size * chunk;
     const int slot = static_cast<int>(j % 2);
@@ -234,7 +235,7 @@ struct Call {
     const uint16_t* got = recv.data() + (j % 2) * size * chunk;
     uint16_t* sum = mine.data() + (j % 2) * chunk;
     const float scale = mean ? static_cast<float>(size) : 1.0f;
-    const float ranks = static_cast<float>(size);
+    const float inverse = 1.0f / static_cast<float>(size);  // a mean: times 1/size (narrow.py)
     const int64_t first = rank * block + j * chunk;
     const int64_t valid = err == nullptr ? 0 : real(first, n);
     float* e = err == nullptr ? nullptr : err + first;
@@ -243,7 +244,7 @@ struct Call {
       for (int64_t i = i0; i < i1; ++i) {
         float total = N::from(got[i]);
         for (int64_t d = 1; d < size; ++d) total = total + N::from(got[d * n + i]);
-        if (mean) total = total / ranks;
+        if (mean) total = total * inverse;
         const uint16_t h = round_to<N>(total);
         sum[i] = h;
         if (i < valid) e[i] = finite_or_zero(e[i] + (total - N::from(h)) * scale);
@@ -267,11 +268,11 @@ struct Call {
     for (int64_t d = 0; d < size; ++d) {
       const int64_t first = d * block + j * chunk;
       const int64_t valid = real(first, n);
-      const uint16_t* row = every + d * n - first;  // indexed by the place in the vector
+      const uint16_t* row = every + d * n;
       for (int64_t p0 = first; p0 < first + valid; p0 += kPokeElements) {
         const int64_t p1 = p0 + kPokeElements < first + valid ? p0 + kPokeElements : first + valid;
         leaves.each(p0, p1 - p0, [&](const float*, float* y, int64_t v, int64_t k) {
-          const uint16_t* h = row + v;
+          const uint16_t* h = row + (v - first);
           for (int64_t i = 0; i < k; ++i) y[i] = N::from(h[i]);
         });
         if (ffi::Error failed = poke(); failed.failure()) return failed;

@@ -10,7 +10,7 @@ A cast (``"bf16"``, ``"fp16"``) is jaxddp's narrow allreduce (``_collectives/_ja
 a reduce-scatter and an allgather of its own, both in the narrow dtype, since MPI's own
 float16 sum is software, slower than float32): each rank casts its vector, cuts it into ``W``
 blocks and sends block ``r`` to rank ``r`` (an alltoall of the narrow bits); rank ``r`` adds
-the ``W`` blocks it got in float32, in rank order, divides by ``W`` for a mean, rounds the
+the ``W`` blocks it got in float32, in rank order, multiplies by ``1/W`` for a mean, rounds the
 result once to the narrow dtype and sends it to everyone (an allgather of the narrow bits).
 Twice the narrow bytes of the vector cross the wire per rank (``2 (W - 1) / W`` of it), half
 of a float32 allreduce's. Two roundings happen: each rank's cast of its own vector, and rank
@@ -272,7 +272,9 @@ def compressed_allreduce(
         # a bfloat16 or float16 leaf's own rounding of the result, the same on every rank (a
         # float32 leaf has none: where all are float32 the error is not passed over again)
         lost = [
-            jnp.ravel(x - results[i].astype(jnp.float32)) if j in narrow else jnp.zeros(x.size)
+            jnp.ravel(x - results[i].astype(jnp.float32))
+            if j in narrow
+            else jnp.zeros(x.size, jnp.float32)
             for j, (i, x) in enumerate(zip(plan.compressed, reduced, strict=True))
         ]
         error = error + jnp.concatenate(lost) / (size if op == "sum" else 1)

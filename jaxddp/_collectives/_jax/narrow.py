@@ -7,7 +7,7 @@ The float32 leaves, seen as one vector ``v`` (their concatenation, plus this ran
 with error feedback), are cut into ``size`` blocks, block ``r`` owned by rank ``r``. Each
 rank rounds ``v`` to the narrow dtype (:func:`to_narrow`) and sends block ``r`` to rank ``r``
 (an alltoall of the narrow bits); rank ``r`` adds the blocks it got in float32, in rank
-order, divides by ``size`` for a mean, rounds the result once and sends it to every rank (an
+order, multiplies by ``1/size`` for a mean, rounds the result once and sends it to every rank (an
 allgather of the narrow bits). Twice the narrow bytes of the vector cross the wire per rank
 (``2 (size - 1) / size`` of it), half of a float32 allreduce's. This rank's error: ``v``
 minus its rounding, plus, on its own block, what the second rounding lost (times ``size``
@@ -74,8 +74,10 @@ def composed(
     total = got[0].astype(jnp.float32)
     for j in range(1, size):  # in rank order, in float32
         total = total + got[j].astype(jnp.float32)
-    if mean:
-        total = total / size
+    if mean:  # times 1/size (XLA's own rewrite of a division by a scalar, made explicit), and
+        # rounded before anything else uses it: no multiply-add fused across (the handler,
+        # narrow.cc, gives the same bits)
+        total = jax.lax.optimization_barrier(total * (np.float32(1) / np.float32(size)))
     block = to_narrow(total, dtype)
     rows = _in_columns(
         lambda b: allgather(b[0]), jax.lax.bitcast_convert_type(block, jnp.uint16)[None]
@@ -88,7 +90,10 @@ def composed(
     if residual is None:
         return out, None
     error = padded - narrow.astype(jnp.float32)
-    missed = (total - block.astype(jnp.float32)) * (size if mean else 1)
+    # rounded on its own before the sum, as the handler does (XLA would fuse a multiply-add)
+    missed = jax.lax.optimization_barrier(
+        (total - block.astype(jnp.float32)) * (size if mean else 1)
+    )
     own = jax.lax.dynamic_slice(error, (me * k,), (k,)) + missed
     error = jax.lax.dynamic_update_slice(error, own, (me * k,))
     return out, jnp.where(jnp.isfinite(error), error, 0.0)[:length]
