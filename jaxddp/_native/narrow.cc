@@ -178,6 +178,16 @@ struct Call {
     return ffi::Error::Success();
   }
 
+  // f(a, b) over [first, stop) in pieces of kPokeElements, polling MPI after each.
+  template <class F>
+  ffi::Error in_pieces(int64_t first, int64_t stop, F f) {
+    for (int64_t a = first; a < stop; a += kPokeElements) {
+      f(a, a + kPokeElements < stop ? a + kPokeElements : stop);
+      if (ffi::Error failed = poke(); failed.failure()) return failed;
+    }
+    return ffi::Error::Success();
+  }
+
   ffi::Error finish(int slot) {  // waits for request `slot` (an earlier poke may have)
     if (!pending[slot]) return ffi::Error::Success();
     // short naps whatever the chunk's size: over TCP the pipeline moves only while it polls
@@ -197,9 +207,8 @@ struct Call {
       const int64_t valid = real(first, n);
       uint16_t* row = rows + d * n;
       const bool own = d == rank;
-      for (int64_t p0 = first; p0 < first + valid; p0 += kPokeElements) {
-        const int64_t p1 = p0 + kPokeElements < first + valid ? p0 + kPokeElements : first + valid;
-        leaves.each(p0, p1 - p0, [&](const float* x, float*, int64_t v, int64_t k) {
+      ffi::Error rounded = in_pieces(first, first + valid, [&](int64_t a, int64_t b) {
+        leaves.each(a, b - a, [&](const float* x, float*, int64_t v, int64_t k) {
           uint16_t* h = row + (v - first);
           if (residual == nullptr) {
             for (int64_t i = 0; i < k; ++i) h[i] = round_to<N>(x[i]);
@@ -214,8 +223,8 @@ struct Call {
             e[i] = own ? lost : finite_or_zero(lost);
           }
         });
-        if (ffi::Error failed = poke(); failed.failure()) return failed;
-      }
+      });
+      if (rounded.failure()) return rounded;
       for (int64_t i = valid; i < n; ++i) row[i] = 0;  // past the vector's end
     }
     uint16_t* got = recv.data() + (j % 2) * size * chunk;
@@ -239,9 +248,8 @@ struct Call {
     const int64_t first = rank * block + j * chunk;
     const int64_t valid = err == nullptr ? 0 : real(first, n);
     float* e = err == nullptr ? nullptr : err + first;
-    for (int64_t i0 = 0; i0 < n; i0 += kPokeElements) {
-      const int64_t i1 = i0 + kPokeElements < n ? i0 + kPokeElements : n;
-      for (int64_t i = i0; i < i1; ++i) {
+    ffi::Error summed = in_pieces(0, n, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
         float total = N::from(got[i]);
         for (int64_t d = 1; d < size; ++d) total = total + N::from(got[d * n + i]);
         if (mean) total = total * inverse;
@@ -249,8 +257,8 @@ struct Call {
         sum[i] = h;
         if (i < valid) e[i] = finite_or_zero(e[i] + (total - N::from(h)) * scale);
       }
-      if (ffi::Error failed = poke(); failed.failure()) return failed;
-    }
+    });
+    if (summed.failure()) return summed;
     uint16_t* every = all.data() + (j % 2) * size * chunk;
     const int slot = 2 + static_cast<int>(j % 2);
     int rc = mpi.iallgather(sum, static_cast<int>(n), wire, every, static_cast<int>(n), wire,
@@ -269,14 +277,13 @@ struct Call {
       const int64_t first = d * block + j * chunk;
       const int64_t valid = real(first, n);
       const uint16_t* row = every + d * n;
-      for (int64_t p0 = first; p0 < first + valid; p0 += kPokeElements) {
-        const int64_t p1 = p0 + kPokeElements < first + valid ? p0 + kPokeElements : first + valid;
-        leaves.each(p0, p1 - p0, [&](const float*, float* y, int64_t v, int64_t k) {
+      ffi::Error widened = in_pieces(first, first + valid, [&](int64_t a, int64_t b) {
+        leaves.each(a, b - a, [&](const float*, float* y, int64_t v, int64_t k) {
           const uint16_t* h = row + (v - first);
           for (int64_t i = 0; i < k; ++i) y[i] = N::from(h[i]);
         });
-        if (ffi::Error failed = poke(); failed.failure()) return failed;
-      }
+      });
+      if (widened.failure()) return widened;
     }
     return ffi::Error::Success();
   }
